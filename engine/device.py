@@ -1,0 +1,55 @@
+"""Device, dtype and attention-backend choices from the configuration's ``auto`` values."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# CPU flags under which bfloat16 matrix products run in hardware (AMX tiles or AVX-512 BF16)
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; ``cuda`` without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for, but no CUDA GPU is available")
+    return torch.device(name)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bfloat16 on GPUs and on CPUs with bf16 hardware, else float32."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_flags() & set(BF16_CPU_FLAGS) else torch.float32
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """``auto`` -> triton on CUDA, torch on CPU. Triton on a CPU runs only in interpreter mode."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "attention_backend 'triton' on a CPU needs TRITON_INTERPRET=1 (the interpreter, for "
+            "tests); use 'torch' or 'auto' to serve on a CPU"
+        )
+    return name

@@ -1,0 +1,104 @@
+"""One pure function: a ``ScheduledBatch`` -> the flat tensors of one ragged forward pass.
+
+Worked example, block_size 4, three rows (a decode, a middle prompt chunk, a whole prompt):
+
+    row  token_ids     start_pos  block_table  sample
+    a    [50]          5          [3, 8]       yes     positions [5]        slots [8*4+1]
+    b    [60, 61, 62]  2          [6, 1]       no      positions [2, 3, 4]  slots [26, 27, 4]
+    c    [70, 71]      0          [2]          yes     positions [0, 1]     slots [8, 9]
+
+    input_ids    [50, 60, 61, 62, 70, 71]
+    positions    [5, 2, 3, 4, 0, 1]
+    slot_mapping [33, 26, 27, 4, 8, 9]
+    query_start  [0, 1, 4, 6]
+    context_lens [6, 5, 2]
+    block_tables [[3, 8], [6, 1], [2, 0]]     (padded with 0, never read past context_lens)
+    sample_rows  [0, 5]                       (the last token of each sampling row)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.batch import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and what each row attends to (see the module docstring)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start: torch.Tensor  # [num_rows + 1] int32
+    context_lens: torch.Tensor  # [num_rows] int32
+    block_tables: torch.Tensor  # [num_rows, max_blocks] int32
+    max_query_len: int
+    max_context_len: int
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampled] int64: token index of each sampling row's last token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def build_model_input(
+    batch: ScheduledBatch, block_size: int, device: torch.device | str = "cpu"
+) -> ModelInput:
+    """Flattens ``batch`` into tensors on ``device``. Raises ValueError for an empty batch or a
+    row whose block table does not cover its tokens."""
+    if batch.is_empty:
+        raise ValueError("cannot build inputs for an empty batch")
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start = [0]
+    context_lens: list[int] = []
+    row_tables: list[tuple[int, ...]] = []
+    sample_rows: list[int] = []
+    for row in batch.rows:
+        start, end = row.start_pos, row.context_len
+        num_blocks = -(-end // block_size)
+        if not row.token_ids or num_blocks > len(row.block_table):
+            raise ValueError(
+                f"row {row.request_id!r}: {row.num_tokens} tokens from position {start} need "
+                f"{num_blocks} blocks, its block table has {len(row.block_table)}"
+            )
+        table = row.block_table[:num_blocks]
+        input_ids.extend(row.token_ids)
+        positions.extend(range(start, end))
+        slot_mapping.extend(
+            table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)
+        )
+        query_start.append(len(input_ids))
+        context_lens.append(end)
+        row_tables.append(table)
+        if row.sample:
+            sample_rows.append(len(input_ids) - 1)
+    max_blocks = max(len(table) for table in row_tables)
+    padded_tables = [list(table) + [0] * (max_blocks - len(table)) for table in row_tables]
+    max_query_len = max(b - a for a, b in zip(query_start[:-1], query_start[1:], strict=True))
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return ModelInput(
+        input_ids=tensor(input_ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        metadata=AttentionMetadata(
+            slot_mapping=tensor(slot_mapping, torch.int64),
+            query_start=tensor(query_start, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            block_tables=tensor(padded_tables, torch.int32),
+            max_query_len=max_query_len,
+            max_context_len=max(context_lens),
+        ),
+        sample_rows=tensor(sample_rows, torch.int64),
+    )

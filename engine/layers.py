@@ -1,0 +1,192 @@
+"""Tensor-parallel building blocks: linear layers, vocabulary embedding and LM head.
+
+Each parameter carries a ``weight_loader(param, loaded, shard_id)`` that copies this rank's part of
+a checkpoint tensor into it. ``loaded`` is a safetensors slice (or a tensor): indexing it reads only
+the rows or columns this rank keeps.
+
+    ColumnParallelLinear, output_sizes [q, k, v] = [576, 192, 192], 3 ranks:
+        rank 1 weight rows = q[192:384] ++ k[64:128] ++ v[64:128]      (local [320, hidden])
+    RowParallelLinear, input 576, 3 ranks:
+        rank 1 weight columns = [192:384], then the partial outputs are all-reduced
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.parallel import SINGLE_PROCESS, ParallelContext
+
+
+def _shape(loaded: Any) -> tuple[int, ...]:
+    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+
+
+def _copy_checked(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(value.shape)} does not match {tuple(param.shape)}"
+        )
+    param.copy_(value)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T (+ b)`` with W's output features split across ranks; no communication.
+
+    ``output_sizes`` lists the fused parts (q/k/v, or gate/up), each split on its own so that a
+    rank's output is the concatenation of its share of every part; ``shard_id`` in the loader is
+    the part's index.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        parallel: ParallelContext = SINGLE_PROCESS,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.local_sizes = [parallel.shard(size, "an output part") for size in output_sizes]
+        local_out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(local_out, input_size, dtype=dtype), False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(local_out, dtype=dtype), False)
+            self.bias.weight_loader = self._load  # type: ignore[attr-defined]
+
+    @property
+    def local_output_sizes(self) -> list[int]:
+        return list(self.local_sizes)
+
+    def _load(self, param: torch.Tensor, loaded: Any, shard_id: int = 0) -> None:
+        full_size = self.output_sizes[shard_id]
+        if _shape(loaded)[0] != full_size:
+            raise ValueError(f"part {shard_id} has {_shape(loaded)[0]} rows, expected {full_size}")
+        size = self.local_sizes[shard_id]
+        start = self.parallel.rank * size
+        offset = sum(self.local_sizes[:shard_id])
+        _copy_checked(param[offset : offset + size], loaded[start : start + size], "column part")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_local W_local^T) (+ b)``: W's input features split across ranks; ``x``
+    arrives already split (the output of a column-parallel layer)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        parallel: ParallelContext = SINGLE_PROCESS,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.local_input_size = parallel.shard(input_size, "the input features")
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.local_input_size, dtype=dtype), False
+        )
+        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), False)
+            self.bias.weight_loader = _load_whole  # type: ignore[attr-defined]
+
+    def _load_weight(self, param: torch.Tensor, loaded: Any, shard_id: int = 0) -> None:
+        start = self.parallel.rank * self.local_input_size
+        _copy_checked(param, loaded[:, start : start + self.local_input_size], "row weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.parallel.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks (padded to split evenly); a rank
+    embeds the ids it owns, zeros the others, and the ranks' rows are summed."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        parallel: ParallelContext = SINGLE_PROCESS,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.vocab_size = vocab_size
+        self.local_vocab_size = -(-vocab_size // parallel.world_size)
+        self.vocab_start = parallel.rank * self.local_vocab_size
+        self.weight = nn.Parameter(
+            torch.zeros(self.local_vocab_size, hidden_size, dtype=dtype), False
+        )
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: torch.Tensor, loaded: Any, shard_id: int = 0) -> None:
+        if _shape(loaded)[0] != self.vocab_size:
+            raise ValueError(f"embedding has {_shape(loaded)[0]} rows, expected {self.vocab_size}")
+        end = min(self.vocab_start + self.local_vocab_size, self.vocab_size)
+        rows = loaded[self.vocab_start : end]
+        _copy_checked(param[: end - self.vocab_start], rows, "embedding rows")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.local_vocab_size)
+        embedded = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        embedded.masked_fill_(outside[:, None], 0)
+        return self.parallel.all_reduce(embedded)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over the vocabulary split across ranks, gathered to every rank. With tied
+    embeddings the weight is the embedding's (same split)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        parallel: ParallelContext = SINGLE_PROCESS,
+        tied_embedding: VocabParallelEmbedding | None = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.vocab_size = vocab_size
+        if tied_embedding is not None:
+            self.weight = tied_embedding.weight
+        else:
+            embedding = VocabParallelEmbedding(
+                vocab_size, hidden_size, dtype=dtype, parallel=parallel
+            )
+            self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows, vocab_size] logits."""
+        logits = self.parallel.all_gather(F.linear(hidden, self.weight))
+        return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]
+
+
+def _load_whole(param: torch.Tensor, loaded: Any, shard_id: int = 0) -> None:
+    _copy_checked(param, loaded[:], "weight")
+
+
+def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: int = 0) -> None:
+    """For parameters every rank holds whole (norm weights, replicated biases)."""
+    _load_whole(param, loaded, shard_id)

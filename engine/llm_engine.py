@@ -1,0 +1,227 @@
+"""The engine: a scheduler, a model runner and the three-call step between them.
+
+    batch   = scheduler.schedule()         # which tokens of which requests run now
+    sampled = runner.execute(batch)        # one ragged forward + sampling
+    done    = scheduler.update(batch, ...) # append tokens, finish, free blocks
+
+Not thread-safe: one thread (the server's engine thread, or ``LLM.generate``) calls every method.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.device import resolve_attention_backend, resolve_device, resolve_dtype
+from engine.model_config import ModelConfig
+from engine.model_resolver import resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from kv_cache import KVCacheManager
+from scheduler.batch import ScheduledBatch
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by requests
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (total)
+    prefix_cache_hits: int  # of those, tokens found (total)
+    num_preemptions: int  # total
+    last_step_num_tokens: int
+    last_step_seconds: float
+
+
+class LLMEngine:
+    """Loads the model, its tokenizer and KV cache; runs requests step by step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        model_dir = resolve_model(config.model)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        backend = resolve_attention_backend(config.attention_backend, device)
+        if config.tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 needs the tensor-parallel workers, which this engine "
+                "does not start; use tensor_parallel_size 1"
+            )
+        model_config = ModelConfig.from_dir(model_dir)
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"({model_config.max_position_embeddings})"
+            )
+        self.config = config.model_copy(
+            update={
+                "model": str(model_dir),
+                "dtype": str(dtype).removeprefix("torch."),
+                "device": device.type,
+                "attention_backend": backend,
+                "max_model_len": max_model_len,
+            }
+        )
+        self.model_config = model_config
+        self.model_name = DEFAULT_MODEL if config.model == DEFAULT_MODEL else model_dir.name
+        self.max_model_len = max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+        tokenizer_eos = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id else ()
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys(model_config.eos_token_ids + tokenizer_eos)
+        )
+        blocks_per_seq = -(-max_model_len // config.block_size)
+        self.runner = ModelRunner(
+            model_dir,
+            model_config,
+            dtype=dtype,
+            device=device,
+            attention_backend=backend,
+            block_size=config.block_size,
+            max_model_len=max_model_len,
+            kv_cache_memory=config.kv_cache_memory,
+            num_kv_blocks=config.num_kv_blocks,
+            max_useful_blocks=config.max_batch_seqs * blocks_per_seq,
+            seed=config.seed,
+        )
+        self.num_kv_blocks = self.runner.num_kv_blocks
+        self.kv_manager = KVCacheManager(
+            self.num_kv_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            config.max_batch_tokens, config.max_batch_seqs, max_model_len, self.kv_manager
+        )
+        self._last_step_num_tokens = 0
+        self._last_step_seconds = 0.0
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        group_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a request. Raises ValueError (changing nothing) on an empty prompt, a token id
+        outside the vocabulary, a prompt too long for max_model_len, or an id in use."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must hold at least one token")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside [0, {vocab_size}): {bad[:5]}")
+        for name, token_ids in (
+            ("stop_token_ids", sampling_params.stop_token_ids),
+            ("logit_bias", tuple(sampling_params.logit_bias)),
+        ):
+            if any(t >= vocab_size for t in token_ids):
+                raise ValueError(f"{name} holds token ids >= the vocabulary size {vocab_size}")
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time,
+            group_id=group_id,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a waiting or running request; None when it is unknown or already finished."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        self.runner.drop_requests([request_id])
+        return _output(request, [], None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One schedule / execute / update. Returns a delta per request that got a token or
+        ended; [] when idle. A forward pass that raises fails its batch's requests alone."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            self.runner.drop_requests(list(batch.finished_request_ids))
+            return []
+        try:
+            sampled = self.runner.execute(batch)
+        except Exception as error:  # noqa: BLE001 - the step must survive and report it
+            logger.exception("a step of %d tokens failed", batch.num_tokens)
+            return self._fail_batch(batch, error)
+        requests = self.scheduler.update(batch, sampled.token_ids)
+        outputs = []
+        # update() skips requests aborted since schedule(), so pair tokens by request id.
+        by_id = dict(zip(batch.sample_request_ids, range(len(sampled.token_ids)), strict=True))
+        for request in requests:
+            index = by_id[request.request_id]
+            logprob = sampled.logprobs[index]
+            outputs.append(
+                _output(
+                    request,
+                    [sampled.token_ids[index]],
+                    None if logprob is None else [logprob],
+                )
+            )
+        self._last_step_num_tokens = batch.num_tokens
+        self._last_step_seconds = time.perf_counter() - start
+        return outputs
+
+    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        outputs = []
+        for row in batch.rows:
+            request = self.scheduler.abort(row.request_id, RequestStatus.FINISHED_ERROR)
+            if request is not None:
+                outputs.append(_output(request, [], None, error=message))
+        self.runner.drop_requests([row.request_id for row in batch.rows])
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_manager.usage,
+            prefix_cache_queries=self.kv_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_manager.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            last_step_num_tokens=self._last_step_num_tokens,
+            last_step_seconds=self._last_step_seconds,
+        )
+
+
+def _output(
+    request: Request, new_token_ids: list[int], new_logprobs: list | None, error: str | None = None
+) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=new_token_ids,
+        new_logprobs=new_logprobs,
+        finish_reason=request.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_output_tokens=request.num_output_tokens,
+        stop_token_id=request.stop_token_id,
+        error=error,
+    )

@@ -1,0 +1,273 @@
+"""The Llama family (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2) over the paged KV cache.
+
+One ragged forward: every row's tokens are flattened into ``[num_tokens]`` (see
+``engine/input_builder.py``); attention reads each row's context through its block table, so a
+prompt chunk and a decode token are the same case. Qwen2 differs only by its q/k/v bias; Mistral's
+sliding window is not applied (its released models use full attention up to their context).
+
+    embed -> [RMSNorm -> QKV -> rotary -> store K/V -> paged attention -> o_proj
+              -> RMSNorm -> gate_up -> SiLU * up -> down] x num_layers
+          -> final RMSNorm (sampling rows only) -> LM head
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.input_builder import AttentionMetadata
+from engine.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+from engine.model_config import ModelConfig
+from engine.parallel import SINGLE_PROCESS, ParallelContext
+from kernels import build_cos_sin_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, ops: ModuleType) -> None:
+        super().__init__()
+        self.eps = eps
+        self.ops = ops
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        ops: ModuleType,
+        parallel: ParallelContext,
+    ) -> None:
+        super().__init__()
+        self.ops = ops
+        head_dim = config.head_dim
+        self.num_heads = parallel.shard(config.num_heads, "num_attention_heads")
+        self.num_kv_heads = parallel.shard(config.num_kv_heads, "num_key_value_heads")
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [
+                config.num_heads * head_dim,
+                config.num_kv_heads * head_dim,
+                config.num_kv_heads * head_dim,
+            ],
+            bias=config.attention_bias,
+            dtype=dtype,
+            parallel=parallel,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * head_dim, config.hidden_size, bias=False, dtype=dtype,
+            parallel=parallel,
+        )  # fmt: skip
+        self.split_sizes = self.qkv_proj.local_output_sizes
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        self.ops.store_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        attended = self.ops.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            metadata.query_start,
+            metadata.context_lens,
+            metadata.block_tables,
+            self.scale,
+            metadata.max_query_len,
+            metadata.max_context_len,
+        )  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(attended.view(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one GEMM."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: ParallelContext) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [size, size], bias=False, dtype=dtype, parallel=parallel
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=False, dtype=dtype, parallel=parallel
+        )
+        self.local_size = self.gate_up_proj.local_output_sizes[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * local_size]
+        gate, up = gate_up[:, : self.local_size], gate_up[:, self.local_size :]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        ops: ModuleType,
+        parallel: ParallelContext,
+    ) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, dtype, ops, parallel)
+        self.mlp = MLP(config, dtype, parallel)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it is added)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata, kv_cache, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids, positions, metadata, kv_cache, sample_rows) -> logits`` for the
+    sampling rows only, float32 ``[num_sampled, vocab_size]``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        ops: ModuleType,
+        max_position: int,
+        parallel: ParallelContext = SINGLE_PROCESS,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, parallel=parallel
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, ops, parallel) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=dtype,
+            parallel=parallel,
+            tied_embedding=self.embed_tokens if config.tie_word_embeddings else None,
+        )
+        cos_sin = build_cos_sin_cache(
+            config.head_dim, max_position, config.rope_theta, config.rope_scaling
+        )
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        sample_rows: torch.Tensor,  # [num_sampled]
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None
+        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+            hidden, residual = layer(
+                positions, hidden, residual, metadata, layer_cache, self.cos_sin_cache
+            )
+        assert residual is not None
+        # Only the sampling rows go through the final norm and the LM head.
+        hidden, _ = self.norm(hidden[sample_rows], residual[sample_rows])
+        return self.lm_head(hidden).float()  # [num_sampled, vocab_size]
+
+    # -- weights ---------------------------------------------------------------------------
+
+    # checkpoint name fragment -> (our parameter's name fragment, shard index in the fused layer)
+    _FUSED = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def load_weights(self, weights: Any) -> None:
+        """Copies ``(name, slice)`` pairs (Hugging Face names) into the parameters; raises
+        ValueError naming what is missing, unexpected or misshapen."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for checkpoint_name, tensor in weights:
+            name, shard_id = self._param_name(checkpoint_name)
+            if name is None:
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {checkpoint_name!r} in the checkpoint")
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            with torch.no_grad():
+                try:
+                    loader(param, tensor, shard_id)
+                except ValueError as error:
+                    raise ValueError(f"{checkpoint_name}: {error}") from None
+            loaded.add(f"{name}#{shard_id}")
+        expected = self._expected_keys(params)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {', '.join(missing[:8])}")
+
+    def _param_name(self, checkpoint_name: str) -> tuple[str | None, int]:
+        if "rotary_emb.inv_freq" in checkpoint_name:
+            return None, 0
+        name = checkpoint_name.removeprefix("model.")
+        if name == "lm_head.weight":
+            return (None, 0) if self.config.tie_word_embeddings else ("lm_head.weight", 0)
+        for fragment, (fused, shard_id) in self._FUSED.items():
+            if fragment in name:
+                return name.replace(fragment, fused), shard_id
+        return name, 0
+
+    def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
+        keys = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                keys.update(f"{name}#{shard}" for shard in range(3))
+            elif ".gate_up_proj." in name:
+                keys.update(f"{name}#{shard}" for shard in range(2))
+            else:
+                keys.add(f"{name}#0")
+        return keys
