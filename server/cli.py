@@ -9,7 +9,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 # subcommand -> module exposing ``register(subparsers)``; each registers its parser and sets
 # ``func(args) -> int`` as the parser default. Registration imports nothing heavy.
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "serve": "server.serve_command",
+}
 
 
 def _version() -> str:

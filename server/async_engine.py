@@ -1,0 +1,283 @@
+"""The bridge between the asyncio server and the (not thread-safe) engine.
+
+One engine thread is the engine's only caller. The event loop never waits for it:
+
+    event loop                         engine thread
+    ----------                         -------------
+    generate() -> commands.append ---> drain commands (add / abort)
+                  notify               step()
+    per-request asyncio.Queue  <------ loop.call_soon_threadsafe(dispatch, outputs)
+
+The thread sleeps on a condition while the engine is idle. If the engine raises, every pending
+request ends with an error output, ``alive`` turns false and ``on_fatal`` is called on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import RequestOutput
+from scheduler.sampling_params import SamplingParams
+from server.metrics import ServerMetrics
+
+logger = logging.getLogger("splitfuse.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has failed; no request can be served."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still loading."""
+
+
+class RejectedOutput(RequestOutput):
+    """The engine refused the request (its ``add_request`` raised ValueError): a client error."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    group_id: str | None
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Owns the engine thread. Create on the event loop, then ``start()``."""
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], Any],
+        metrics: ServerMetrics | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+        on_ready: Callable[[Any], None] | None = None,
+    ) -> None:
+        self._engine_factory = engine_factory
+        self._metrics = metrics
+        self._on_fatal = on_fatal
+        self._on_ready = on_ready
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        # Event-loop side: request id -> its output queue.
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self.engine: Any = None
+        self.ready = False
+        self.error: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="splitfuse-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the thread after its current step; pending requests end with an error."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.error is None:
+            self.error = "the server is shutting down"
+        self._fail_all(self.error)
+
+    # ---- event-loop side -------------------------------------------------------------------
+
+    def check_available(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(self.error)
+        if not self.ready:
+            raise EngineNotReadyError("the model is loading")
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        group_id: str | None = None,
+        arrival_time: float | None = None,
+        queue: asyncio.Queue[RequestOutput] | None = None,
+    ) -> asyncio.Queue[RequestOutput]:
+        """Submits a request; its outputs arrive on ``queue`` (a new one unless given; several
+        requests may share one), the last one finished."""
+        self.check_available()
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if queue is None:
+            queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        command = _Add(
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            group_id,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self._submit(command)
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Idempotent. The engine drops the request (and frees its blocks) before its next step."""
+        if self._queues.pop(request_id, None) is not None and self.error is None:
+            self._submit(_Abort(request_id))
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request's queue."""
+        self._queues.pop(request_id, None)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        group_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's deltas until it finishes. Closing or cancelling the iterator
+        early (a client disconnect) aborts the request."""
+        queue = self.add(request_id, prompt_token_ids, sampling_params, group_id, arrival_time)
+        finished = False
+        try:
+            while True:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            if finished:
+                self.release(request_id)
+            else:
+                self.abort(request_id)
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+                if output.finished:
+                    self._queues.pop(output.request_id, None)
+
+    def _fail_all(self, message: str) -> None:
+        """Ends every pending request with an error output (on the loop thread)."""
+        if self._loop is None or self._loop.is_closed():
+            return
+
+        def fail() -> None:
+            queues, self._queues = self._queues, {}
+            for request_id, queue in queues.items():
+                queue.put_nowait(RequestOutput(request_id, finish_reason="error", error=message))
+
+        if self._on_loop_thread():
+            fail()
+        else:
+            self._loop.call_soon_threadsafe(fail)
+
+    def _on_loop_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed in between
+                loop.call_soon_threadsafe(callback, *args)
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._engine_factory()
+        except BaseException as error:  # noqa: BLE001 - any load failure ends the process
+            self._die(f"the engine failed to load: {error!r}", traceback.format_exc())
+            return
+        self.ready = True
+        if self._on_ready is not None:
+            self._post(self._on_ready, self.engine)
+        try:
+            self._loop_steps()
+        except BaseException as error:  # noqa: BLE001 - report, fail requests, exit non-zero
+            self._die(f"the engine failed: {error!r}", traceback.format_exc())
+
+    def _loop_steps(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while (
+                    not self._commands
+                    and not self._stopping
+                    and not engine.has_unfinished_requests()
+                ):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = self._commands, []
+            outputs = self._apply(commands)
+            stepped = False
+            if engine.has_unfinished_requests():
+                outputs.extend(engine.step())
+                stepped = True
+            if outputs:
+                self._post(self._dispatch, outputs)
+            if self._metrics is not None:
+                self._metrics.observe_engine_stats(engine.stats(), stepped)
+
+    def _apply(self, commands: list[_Add | _Abort]) -> list[RequestOutput]:
+        """Adds and aborts, in order. A rejected add ends that request with an error output."""
+        outputs: list[RequestOutput] = []
+        for command in commands:
+            if isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+                continue
+            try:
+                self.engine.add_request(
+                    command.request_id,
+                    command.prompt_token_ids,
+                    command.sampling_params,
+                    group_id=command.group_id,
+                    arrival_time=command.arrival_time,
+                )
+            except ValueError as error:
+                outputs.append(
+                    RejectedOutput(command.request_id, finish_reason="error", error=str(error))
+                )
+        return outputs
+
+    def _die(self, message: str, details: str) -> None:
+        logger.error("%s\n%s", message, details)
+        self.error = message
+        self._fail_all(message)
+        if self._on_fatal is not None:
+            self._post(self._on_fatal, message)

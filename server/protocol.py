@@ -1,0 +1,273 @@
+"""OpenAI request bodies (validated) and the helpers that turn them into ``SamplingParams``.
+
+Unknown fields are rejected (400 naming the field); fields of features we do not implement yet
+(tools, structured output, images, audio) are accepted by the schema only to be rejected with a
+message that says so, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class UnsupportedFeature(ValueError):
+    """A valid OpenAI field naming a feature this server does not have; ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, vocab_size: int
+    ) -> SamplingParams:
+        """Raises ValueError naming the field (SamplingParams' own checks)."""
+        logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        for token_id in list(logit_bias) + list(self.stop_token_ids or []):
+            if not 0 <= token_id < vocab_size:
+                field = "logit_bias" if token_id in logit_bias else "stop_token_ids"
+                raise ValueError(f"{field} holds token id {token_id}, outside [0, {vocab_size})")
+        stop = self.stop if isinstance(self.stop, list) else ([self.stop] if self.stop else [])
+        return SamplingParams(
+            n=1,  # the server adds n requests of one group
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            min_tokens=min(self.min_tokens, max_tokens),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            logit_bias=logit_bias,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("must not be empty")
+            for item in value:
+                if isinstance(item, list) and not item:
+                    raise ValueError("token id lists must not be empty")
+                if isinstance(item, list) and any(t < 0 for t in item):
+                    raise ValueError("token ids must be non-negative")
+                if isinstance(item, int) and item < 0:
+                    raise ValueError("token ids must be non-negative")
+        return value
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise UnsupportedFeature("suffix", "suffix (insertion) is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedFeature("best_of", "best_of other than n is not supported")
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedFeature(
+                "echo", "echo together with logprobs (prompt logprobs) is not supported"
+            )
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(BaseModel):
+    """A content part of a type we do not support (image_url, input_audio, file ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart | OtherPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any | None = None
+    refusal: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any | None = None
+    modalities: list[str] | None = None
+    audio: Any | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_supported(self) -> None:
+        if self.tools or self.functions:
+            raise UnsupportedFeature("tools", "tool and function calling is not supported")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            raise UnsupportedFeature("tool_choice", "tool and function calling is not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise UnsupportedFeature(
+                "response_format",
+                f"response_format {self.response_format.type!r} is not supported (only 'text')",
+            )
+        if self.modalities not in (None, ["text"]) or self.audio is not None:
+            raise UnsupportedFeature("modalities", "only text output is supported")
+        for index, message in enumerate(self.messages):
+            where = f"messages.{index}"
+            if message.role in ("tool", "function") or message.tool_calls or message.function_call:
+                raise UnsupportedFeature(
+                    f"{where}.role", "tool and function calling is not supported"
+                )
+            if isinstance(message.content, list):
+                for part in message.content:
+                    if isinstance(part, OtherPart):
+                        raise UnsupportedFeature(
+                            f"{where}.content",
+                            f"content parts of type {part.type!r} are not supported (only text)",
+                        )
+            if message.content is None and message.role != "assistant":
+                raise UnsupportedFeature(f"{where}.content", "content is required")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise UnsupportedFeature(
+                "continue_final_message",
+                "continue_final_message needs add_generation_prompt to be false",
+            )
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as chat-template dicts: text parts joined, ``developer`` as ``system``."""
+        out = []
+        for message in self.messages:
+            if isinstance(message.content, list):
+                text = "".join(part.text for part in message.content if isinstance(part, TextPart))
+            else:
+                text = message.content or ""
+            role = "system" if message.role == "developer" else message.role
+            item = {"role": role, "content": text}
+            if message.name:
+                item["name"] = message.name
+            out.append(item)
+        return out
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

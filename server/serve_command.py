@@ -1,0 +1,127 @@
+"""``splitfuse serve [MODEL] ...``: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+# flag dest -> config field (server level or engine level; see server.config).
+_FLAG_FIELDS = (
+    "host",
+    "port",
+    "served_model_name",
+    "max_queued_requests",
+    "max_body_bytes",
+    "api_key",
+    "api_key_file",
+    "drain_timeout",
+    "log_level",
+    "metrics_require_auth",
+    "model",
+    "tokenizer",
+    "dtype",
+    "device",
+    "max_batch_tokens",
+    "max_batch_seqs",
+    "max_model_len",
+    "block_size",
+    "kv_cache_memory",
+    "num_kv_blocks",
+    "enable_prefix_caching",
+    "tensor_parallel_size",
+    "attention_backend",
+    "seed",
+    "num_threads",
+)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description=(
+            "Serve MODEL (a model folder, a GGUF file or a prepared model's name; default: the "
+            "default model, prepared on first use). Settings come from flags, then SPLITFUSE_* "
+            "environment variables, then --config FILE, then defaults."
+        ),
+    )
+    add = parser.add_argument
+    add("model", nargs="?", default=None, metavar="MODEL", help="model folder or name")
+    add("--config", metavar="FILE", help="a YAML or JSON config file")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    server.add_argument("--port", type=int, help="port (default 8000)")
+    server.add_argument("--served-model-name", help="the model name clients send")
+    server.add_argument(
+        "--max-queued-requests", type=int, help="requests waiting for a first token before 429"
+    )
+    server.add_argument("--max-body-bytes", help="413 above this body size (e.g. 1MiB)")
+    server.add_argument(
+        "--api-key", action="append", help="an accepted API key (repeatable)", default=None
+    )
+    server.add_argument("--api-key-file", help="a file of API keys, one per line")
+    server.add_argument(
+        "--drain-timeout", type=float, help="seconds in-flight requests get on SIGTERM (30)"
+    )
+    server.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    server.add_argument(
+        "--metrics-require-auth",
+        action="store_const",
+        const=True,
+        help="require the API key for /metrics too",
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
+    engine.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    engine.add_argument("--max-batch-tokens", type=int, help="token budget per step (512)")
+    engine.add_argument("--max-batch-seqs", type=int, help="rows per step (128)")
+    engine.add_argument("--max-model-len", type=int, help="context length (the model's)")
+    engine.add_argument("--block-size", type=int, help="tokens per KV block (16)")
+    engine.add_argument(
+        "--kv-cache-memory", help="KV cache size ('4GiB') or a fraction of free memory (0.3)"
+    )
+    engine.add_argument("--num-kv-blocks", type=int, help="override the sized block count")
+    engine.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_const",
+        const=False,
+        help="disable prefix caching",
+    )
+    engine.add_argument(
+        "--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, help="ranks"
+    )
+    engine.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    engine.add_argument("--seed", type=int, help="engine seed")
+    engine.add_argument("--num-threads", type=int, help="CPU threads (default: all cores)")
+    parser.set_defaults(func=run)
+
+
+def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags given on the command line (None = not given)."""
+    values = {name: getattr(args, name, None) for name in _FLAG_FIELDS}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    from server.config import ConfigError, load_config
+
+    try:
+        config = load_config(flags_from_args(args), config_file=args.config)
+    except ConfigError as error:
+        print(f"splitfuse serve: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from server.app import create_app, describe_config
+    from server.runner import run as run_server
+
+    logging.getLogger("splitfuse.server").info("config %s", describe_config(config))
+    app = create_app(config)
+    return run_server(app, config.host, config.port, config.log_level)

@@ -1,0 +1,273 @@
+"""The app's shared state and the request flow common to both generation endpoints:
+
+    parse body -> check model -> check accepting -> tokenize + context check -> 429 check
+    -> submit -> wait for the first delta (watching for a disconnect) -> respond
+
+Waiting for the first delta before answering means an engine failure or refusal still gets its
+own status (500 / 400) and body, streaming or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from server.async_engine import AsyncEngine
+from server.config import ServerConfig
+from server.errors import APIError, sampling_error, validation_error
+from server.generation import ChoiceDelta, Generation, GenerationError
+from server.metrics import ServerMetrics
+from server.protocol import UnsupportedFeature
+from server.tokens import TokenText
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+T = TypeVar("T")
+
+# Logprobs of -inf (masked tokens) are sent as this, since JSON has no infinity.
+MIN_LOGPROB = -9999.0
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response started."""
+
+
+class ServerState:
+    """Everything the routes share. Lives on ``app.state.server``."""
+
+    def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+        self.config = config
+        self.engine = engine
+        self.metrics = metrics
+        self.api_keys = config.all_api_keys()
+        self.draining = False
+        self.num_queued = 0  # API calls waiting for their first delta
+        self.num_active = 0  # generation HTTP requests not yet answered in full
+        self.token_text: TokenText | None = None
+        self.model_name = config.served_model_name or ""
+        self.max_model_len = 0
+        self.created = int(time.time())
+        self.fatal_hooks: list[Callable[[str], None]] = []
+
+    def on_engine_ready(self, engine: Any) -> None:
+        self.token_text = TokenText(engine.tokenizer)
+        self.model_name = self.config.served_model_name or engine.model_name
+        self.max_model_len = engine.max_model_len
+
+    def on_engine_fatal(self, message: str) -> None:
+        for hook in self.fatal_hooks:
+            hook(message)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready and self.engine.alive and self.token_text is not None
+
+    # ---- checks, each raising the API error ---------------------------------------------------
+
+    def check_accepting(self) -> TokenText:
+        if not self.engine.alive:
+            raise APIError(
+                500, f"the engine is not running: {self.engine.error}", code="engine_dead"
+            )
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="draining")
+        if not self.ready or self.token_text is None:
+            raise APIError(
+                503, "the model is loading", code="loading", headers={"Retry-After": "5"}
+            )
+        return self.token_text
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name and self.ready:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int, param: str) -> None:
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                f"the messages, {max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_queue(self) -> None:
+        if self.num_queued >= self.config.max_queued_requests:
+            raise APIError(
+                429,
+                f"the server has {self.num_queued} requests waiting (the limit is "
+                f"{self.config.max_queued_requests}); retry later",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+
+    # ---- the flow -----------------------------------------------------------------------------
+
+    async def start(
+        self,
+        request: Request,
+        id_prefix: str,
+        prompts: list[list[int]],
+        n: int,
+        params: Any,
+    ) -> tuple[Generation, list[ChoiceDelta]]:
+        """Submits the generation and waits for its first deltas. Raises APIError (429, 400,
+        500) or ClientDisconnected (after aborting)."""
+        token_text = self.check_accepting()
+        self.check_queue()
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        generation = Generation(
+            self.engine, token_text.tokenizer, request_id, prompts, n, params, self.metrics
+        )
+        self.num_queued += 1
+        try:
+            first = await until_disconnected(request, generation.next_deltas())
+        except GenerationError as error:
+            raise APIError(
+                error.status_code,
+                error.message,
+                code="engine_error" if error.status_code == 500 else "invalid_value",
+            ) from None
+        except BaseException:
+            generation.close()
+            raise
+        finally:
+            self.num_queued -= 1
+        return generation, first
+
+
+async def read_body(request: Request, model: type[BodyT]) -> BodyT:
+    """The JSON body validated against ``model``; 400 naming the field otherwise."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as error:
+        raise validation_error(error) from None
+    check = getattr(body, "check_supported", None)
+    if check is not None:
+        try:
+            check()
+        except UnsupportedFeature as error:
+            raise APIError(400, str(error), param=error.param, code="unsupported") from None
+    return body
+
+
+def build_params(make: Callable[[], T]) -> T:
+    """Calls a SamplingParams builder, turning its ValueError into a 400 naming the field."""
+    try:
+        return make()
+    except ValueError as error:
+        raise sampling_error(error) from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs ``work``; if the client disconnects first, cancels it and raises ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    raise ClientDisconnected()
+
+
+async def collect(
+    request: Request, generation: Generation, first: list[ChoiceDelta]
+) -> dict[int, list[ChoiceDelta]]:
+    """Every delta of a non-streaming generation, by choice index; aborts on a disconnect."""
+
+    async def gather() -> dict[int, list[ChoiceDelta]]:
+        by_choice: dict[int, list[ChoiceDelta]] = {}
+        deltas = first
+        while deltas:
+            for delta in deltas:
+                by_choice.setdefault(delta.index, []).append(delta)
+            deltas = await generation.next_deltas()
+        return by_choice
+
+    try:
+        return await until_disconnected(request, gather())
+    except GenerationError as error:
+        raise APIError(error.status_code, error.message, code="engine_error") from None
+    finally:
+        generation.close()
+
+
+async def sse_stream(
+    generation: Generation,
+    first: list[ChoiceDelta],
+    make_chunks: Callable[[list[ChoiceDelta]], list[dict[str, Any]]],
+    final_chunks: Callable[[], list[dict[str, Any]]],
+) -> AsyncIterator[str]:
+    """SSE events: the chunks of each batch of deltas, then ``final_chunks()``, then [DONE].
+    An engine failure mid-stream is sent as an error event. Cancellation (a disconnect) aborts."""
+    try:
+        deltas = first
+        while deltas:
+            for chunk in make_chunks(deltas):
+                yield sse_event(chunk)
+            deltas = await generation.next_deltas()
+        for chunk in final_chunks():
+            yield sse_event(chunk)
+    except GenerationError as error:
+        yield sse_event(APIError(error.status_code, error.message, code="engine_error").body())
+    finally:
+        generation.close()
+    yield "data: [DONE]\n\n"
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def finite_logprob(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }
+
+
+def finish_reason_of(deltas: list[ChoiceDelta]) -> str | None:
+    for delta in reversed(deltas):
+        if delta.finish_reason is not None:
+            return delta.finish_reason
+    return None

@@ -1,0 +1,83 @@
+"""Tokenizer helpers for the API: prompt encoding, the chat template, and per-token strings and
+bytes for logprobs (cached, so streaming logprobs cost a dict lookup per token)."""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte fallback
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """The GPT-2 byte-level alphabet (printable stand-ins for the 256 bytes), inverted."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes, strict=True)}
+
+
+class TokenText:
+    """Wraps a transformers tokenizer for the server."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self._byte_level = self._detect_byte_level()
+        self.text = functools.lru_cache(maxsize=65536)(self._text)
+        self.bytes = functools.lru_cache(maxsize=65536)(self._bytes)
+
+    def _detect_byte_level(self) -> bool:
+        probe = self.tokenizer.encode(" é", add_special_tokens=False)
+        pieces = self.tokenizer.convert_ids_to_tokens(probe)
+        decoder = _byte_decoder()
+        return all(isinstance(p, str) and all(c in decoder for c in p) for p in pieces)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Renders the model's chat template, then encodes it (the template adds specials)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use /v1/completions")
+        rendered = self.tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        return self.encode(rendered, add_special_tokens=False)
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            match = _BYTE_TOKEN.match(piece)
+            if match:
+                return [int(match.group(1), 16)]
+            if self._byte_level:
+                decoder = _byte_decoder()
+                if all(c in decoder for c in piece):
+                    return [decoder[c] for c in piece]
+        return list(self._text(token_id).encode("utf-8"))
