@@ -2,7 +2,11 @@
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    # Triton kernels compile on a CUDA device and run in the interpreter everywhere else.
+    os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 
 from pathlib import Path  # noqa: E402
 
