@@ -82,6 +82,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32 rounding), else the default
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,7 +137,8 @@ def _paged_attention_kernel(
         if INTERPRET:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, TILE]
+        # [BLOCK_M, TILE], in log2 units
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (
             row_valid[:, None] & in_context[None, :] & (position[None, :] <= q_position[:, None])
         )
@@ -146,7 +148,7 @@ def _paged_attention_kernel(
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -251,7 +253,7 @@ def launch_paged_attention(
         num_splits = choose_num_splits(num_query_tiles, num_kv_heads, max_context_len, query.device)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    head_dim_padded = triton.next_power_of_2(head_dim)
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     if num_splits == 1:
         target, lse = out, out  # lse is not touched without splits
         stride_target = (out.stride(0), out.stride(1), 0)
@@ -272,6 +274,7 @@ def launch_paged_attention(
         *stride_target,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, GROUP=group,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE=TILE_N, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

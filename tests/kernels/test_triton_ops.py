@@ -78,7 +78,7 @@ def test_attention_half_precision(name, dtype):
     _assert_attention_matches(batch, triton_ops.paged_attention(*batch.attention_args()), dtype)
 
 
-@pytest.mark.parametrize(("head_dim", "block_size"), [(128, 32), (64, 128), (64, 64)])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(128, 32), (64, 128), (64, 64), (80, 16)])
 def test_attention_head_dims_and_block_sizes(head_dim, block_size):
     rows = [(0, 6), (70, 1), (129, 1)]
     batch = _batch(rows, num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=block_size)
