@@ -8,9 +8,8 @@ the window decodes cleanly, so every emitted piece is final and the pieces conca
     ids    [.., 'Ġæ', 'Ĺ', '¥', ..]   ('日' is three bytes over three tokens)
     text   ''  ''  ' 日'             (nothing until the character is complete)
 
-Stop strings are matched over the emitted text, across token boundaries: the last
-``len(longest stop) - 1`` characters are held back until they cannot start a match, and the match
-itself is never emitted.
+Stop strings are matched over the emitted text, across token boundaries: text that could begin a
+stop string is held back until it cannot, and the match itself is never emitted.
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ class StopStringMatcher:
 
     def __init__(self, stop: tuple[str, ...] | list[str]) -> None:
         self._stop = tuple(stop)
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""
         self.stopped = False
         self.matched: str | None = None
@@ -93,9 +91,20 @@ class StopStringMatcher:
             out = self._pending[: earliest[0]]
             self._pending = ""
             return out
-        cut = max(0, len(self._pending) - self._hold)
+        cut = len(self._pending) - self._partial_match_len()
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return out
+
+    def _partial_match_len(self) -> int:
+        """The longest end of the pending text that begins some stop string ('ab' for 'xyzab'
+        and stop 'abc'): only that much must wait for more text."""
+        longest = 0
+        for stop in self._stop:
+            for size in range(min(len(stop) - 1, len(self._pending)), longest, -1):
+                if self._pending.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
 
     def flush(self) -> str:
         """At the end without a match: the held-back text."""
