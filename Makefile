@@ -1,6 +1,7 @@
 # make test   - create .venv if missing, install the pinned dependencies (only when pyproject.toml
 #               changed), then run the whole test suite.
 # make serve  - the same install, then serve the default model on 127.0.0.1:8000.
+# make manifests - render the Helm chart into deploy/k8s/cpu.yaml and deploy/k8s/gpu.yaml.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -29,6 +30,9 @@ lint: install
 
 typecheck: install
 	$(BIN)/mypy
+
+manifests: install
+	$(BIN)/python deploy/render_manifests.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
