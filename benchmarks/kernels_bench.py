@@ -1,0 +1,274 @@
+"""Time the kernels and print achieved memory bandwidth.
+
+    python benchmarks/kernels_bench.py        # CUDA: Triton kernels vs the device's copy bandwidth
+    python benchmarks/kernels_bench.py --cpu  # the PyTorch ops on this CPU (the CPU serving path)
+
+On a machine without a CUDA device the first form says so and exits 0. Decode attention is
+memory-bound: its bytes are the K/V read through the block tables (plus query and output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels import build_cos_sin_cache, get_ops
+
+
+@dataclass
+class AttentionCase:
+    name: str
+    rows: list[tuple[int, int]]  # (num_cached_tokens, num_query_tokens)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+
+
+def make_attention_inputs(case: AttentionCase, dtype: torch.dtype, device: str) -> tuple:
+    """Random query and cache, each row's blocks scattered over the cache in random order."""
+    context_lens = [cached + q_len for cached, q_len in case.rows]
+    blocks_per_row = [math.ceil(ctx / case.block_size) for ctx in context_lens]
+    num_blocks = sum(blocks_per_row)
+    physical = torch.randperm(num_blocks, dtype=torch.int32)
+    block_tables = torch.zeros(len(case.rows), max(blocks_per_row), dtype=torch.int32)
+    next_block = 0
+    for row, count in enumerate(blocks_per_row):
+        block_tables[row, :count] = physical[next_block : next_block + count]
+        next_block += count
+    shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_dim)
+    key_cache = torch.randn(shape, dtype=dtype, device=device)
+    value_cache = torch.randn(shape, dtype=dtype, device=device)
+    query_lens = [q_len for _, q_len in case.rows]
+    query = torch.randn(sum(query_lens), case.num_heads, case.head_dim, dtype=dtype, device=device)
+    query_start = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return (
+        query,
+        key_cache,
+        value_cache,
+        query_start.to(device),
+        torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables.to(device),
+        case.head_dim**-0.5,
+        max(query_lens),
+        max(context_lens),
+    )
+
+
+def attention_bytes(case: AttentionCase, dtype: torch.dtype) -> int:
+    """K/V of every row's context read once, plus the query read and the output written."""
+    element = torch.empty((), dtype=dtype).element_size()
+    kv = sum(cached + q_len for cached, q_len in case.rows) * 2 * case.num_kv_heads
+    tokens = sum(q_len for _, q_len in case.rows) * 2 * case.num_heads
+    return (kv + tokens) * case.head_dim * element
+
+
+def attention_flops(case: AttentionCase) -> int:
+    """Two matmuls over the causal part: 4 * head_dim flops per (query, visible key, head)."""
+    visible = sum(
+        sum(cached + i + 1 for i in range(q_len)) for cached, q_len in case.rows
+    )  # per head
+    return 4 * case.head_dim * case.num_heads * visible
+
+
+# ----------------------------------------------------------------------------------------- CPU
+
+
+def time_cpu(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median seconds of ``fn`` after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_decode_attention(query, key_cache, value_cache, query_start, context_lens,
+                            block_tables, scale, *_):  # fmt: skip
+    """The alternative decode path measured against the kept one: the same gather, then batched
+    matmuls and a float32 softmax instead of scaled_dot_product_attention."""
+    num_rows, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_ctx_blocks = -(-int(context_lens.max()) // block_size)
+    block_ids = block_tables[:, :num_ctx_blocks].reshape(-1)
+    padded_len = num_ctx_blocks * block_size
+    keys = key_cache.index_select(0, block_ids).view(num_rows, padded_len, num_kv_heads, head_dim)
+    values = value_cache.index_select(0, block_ids).view(keys.shape)
+    queries = query.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(queries, keys.permute(0, 2, 3, 1)).float() * scale
+    padding = torch.arange(padded_len) >= context_lens[:, None]
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, -1).to(query.dtype)
+    return torch.matmul(probs, values.transpose(1, 2)).reshape(num_rows, num_heads, head_dim)
+
+
+def bench_cpu() -> None:
+    ops = get_ops("torch")
+    print(f"PyTorch ops on CPU, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    smollm = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
+    cases = [
+        AttentionCase("decode 64 rows x 512 context", [(511, 1)] * 64, **smollm),
+        AttentionCase("decode 16 rows x 2048 context", [(2047, 1)] * 16, **smollm),
+        AttentionCase("prompt chunk 512, no cache", [(0, 512)], **smollm),
+        AttentionCase("prompt chunk 256 after 256 cached", [(256, 256)], **smollm),
+        AttentionCase(
+            "mixed: 32 decodes x 512 + chunk 256", [(511, 1)] * 32 + [(0, 256)], **smollm
+        ),
+    ]
+    for dtype in (torch.bfloat16, torch.float32):
+        for case in cases:
+            args = make_attention_inputs(case, dtype, "cpu")
+            seconds = time_cpu(lambda args=args: ops.paged_attention(*args))
+            line = (
+                f"{str(dtype):15} {case.name:38} {seconds * 1e3:8.2f} ms"
+                f"  {attention_bytes(case, dtype) / seconds / 1e9:6.2f} GB/s"
+                f"  {attention_flops(case) / seconds / 1e9:7.1f} GFLOP/s"
+            )
+            if all(q_len == 1 for _, q_len in case.rows):
+                variant = time_cpu(lambda args=args: matmul_decode_attention(*args))
+                line += f"  (matmul+softmax variant {variant * 1e3:.2f} ms)"
+            print(line, flush=True)
+    bench_cpu_small_ops(ops)
+
+
+def bench_cpu_small_ops(ops) -> None:
+    shape = SmallOpShape(num_tokens=512, hidden=576, num_heads=9, num_kv_heads=3, head_dim=64)
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, fn, _ in small_op_calls(ops, shape, dtype, "cpu"):
+            print(
+                f"{str(dtype):15} {name:22} {shape.num_tokens} tokens {time_cpu(fn) * 1e3:8.3f} ms"
+            )
+
+
+@dataclass
+class SmallOpShape:
+    num_tokens: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def small_op_calls(
+    ops, shape: SmallOpShape, dtype: torch.dtype, device: str
+) -> list[tuple[str, Callable[[], object], int]]:
+    """(name, call, bytes moved) for rms_norm, rotary and store_kv."""
+    num_tokens, num_heads, num_kv_heads, head_dim = (
+        shape.num_tokens, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    )  # fmt: skip
+    element = torch.empty((), dtype=dtype).element_size()
+    x = torch.randn(num_tokens, shape.hidden, dtype=dtype, device=device)
+    residual = torch.randn_like(x)
+    weight = torch.ones(shape.hidden, dtype=dtype, device=device)
+    qkv_heads = num_heads + 2 * num_kv_heads
+    qkv = torch.randn(num_tokens, qkv_heads, head_dim, dtype=dtype, device=device)
+    query, key = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+    value = qkv[:, num_heads + num_kv_heads :]
+    cache = build_cos_sin_cache(head_dim, num_tokens, 10000.0, None).to(device)
+    positions = torch.arange(num_tokens, device=device)
+    num_blocks = 2 * num_tokens // 16
+    key_cache = torch.zeros(num_blocks, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(num_blocks * 16, device=device)[:num_tokens]
+    rotated_bytes = 2 * num_tokens * (num_heads + num_kv_heads) * head_dim * element
+    return [
+        ("rms_norm", lambda: ops.rms_norm(x, weight, 1e-5), 2 * x.numel() * element),
+        (
+            "rms_norm + residual",
+            lambda: ops.rms_norm(x, weight, 1e-5, residual),
+            4 * x.numel() * element,
+        ),
+        (
+            "rotary_embedding",
+            lambda: ops.rotary_embedding(positions, query, key, cache),
+            rotated_bytes,
+        ),
+        (
+            "store_kv",
+            lambda: ops.store_kv(key, value, key_cache, value_cache, slots),
+            4 * key.numel() * element,
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------------------------- CUDA
+
+
+def bench_cuda() -> None:
+    import triton.testing
+
+    def bench_ms(fn: Callable[[], object]) -> float:
+        return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+    device = "cuda"
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    src = torch.empty(256 * 2**20, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    copy_bandwidth = 2 * src.numel() * 4 / (copy_ms * 1e-3)
+    print(f"copy bandwidth: {copy_bandwidth / 1e9:.0f} GB/s (1 GiB read + written)")
+
+    def report(name: str, ms: float, num_bytes: int, flops: int = 0) -> None:
+        bandwidth = num_bytes / (ms * 1e-3)
+        line = (
+            f"{name:48} {ms * 1e3:9.1f} us  {bandwidth / 1e9:7.0f} GB/s "
+            f"({100 * bandwidth / copy_bandwidth:3.0f}% of copy)"
+        )
+        if flops:
+            line += f"  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s"
+        print(line, flush=True)
+
+    triton_ops, torch_ops = get_ops("triton"), get_ops("torch")
+    llama8b = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+    smollm = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
+    cases = [
+        AttentionCase("decode 64 x 512, 9/3 heads, d64", [(511, 1)] * 64, **smollm),
+        AttentionCase("decode 64 x 2048, 32/8 heads, d128", [(2047, 1)] * 64, **llama8b),
+        AttentionCase("decode 256 x 1024, 32/8 heads, d128", [(1023, 1)] * 256, **llama8b),
+        AttentionCase("decode 1 x 32768 (split), 32/8, d128", [(32767, 1)], **llama8b),
+        AttentionCase("decode 4 x 8192 (split), 32/8, d128", [(8191, 1)] * 4, **llama8b),
+        AttentionCase("prefill 2048, 32/8 heads, d128", [(0, 2048)], **llama8b),
+        AttentionCase("mixed 128 x 1024 + chunk 512", [(1023, 1)] * 128 + [(0, 512)], **llama8b),
+        AttentionCase("decode 64 x 2048, block 128", [(2047, 1)] * 64, block_size=128, **llama8b),
+    ]
+    for case in cases:
+        args = make_attention_inputs(case, torch.bfloat16, device)
+        ms = bench_ms(lambda args=args: triton_ops.paged_attention(*args))
+        report(f"attention {case.name}", ms, attention_bytes(case, torch.bfloat16),
+               attention_flops(case))  # fmt: skip
+    case = cases[0]
+    args = make_attention_inputs(case, torch.bfloat16, device)
+    ms = bench_ms(lambda: torch_ops.paged_attention(*args))
+    report(f"(torch op) attention {case.name}", ms, attention_bytes(case, torch.bfloat16))
+
+    shape = SmallOpShape(num_tokens=8192, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128)
+    for name, fn, num_bytes in small_op_calls(triton_ops, shape, torch.bfloat16, device):
+        report(f"{name}, {shape.num_tokens} tokens (Llama-8B shapes)", bench_ms(fn), num_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="time the PyTorch ops on the CPU")
+    args = parser.parse_args(argv)
+    if args.cpu:
+        bench_cpu()
+        return 0
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to time (use --cpu for the PyTorch ops on this CPU)")
+        return 0
+    bench_cuda()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
