@@ -86,10 +86,15 @@ def paged_attention(
         return out
     query_lens = query_start[1:] - query_start[:-1]  # [num_rows]
     decode_rows = (query_lens == 1).nonzero().squeeze(1)  # [num_decode_rows]
-    if decode_rows.numel():
+    num_decode = decode_rows.numel()
+    if num_decode:
+        rows: torch.Tensor | slice = decode_rows
+        tokens: torch.Tensor | slice = query_start[decode_rows]
+        if int(decode_rows[-1]) == num_decode - 1:  # decodes lead the batch: rows = tokens = 0..n-1
+            rows = tokens = slice(0, num_decode)  # views instead of gathers
         _attend_decode_rows(
-            query, key_cache, value_cache, query_start[decode_rows], context_lens[decode_rows],
-            block_tables[decode_rows], scale, out,
+            query, key_cache, value_cache, tokens, context_lens[rows], block_tables[rows], scale,
+            out,
         )  # fmt: skip
     if max_query_len > 1 or decode_rows.numel() < context_lens.shape[0]:
         starts, ctx_lens = query_start.tolist(), context_lens.tolist()
@@ -114,14 +119,14 @@ def _attend_decode_rows(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    token_ids: torch.Tensor,  # [num_decode] each row's token index in query
+    tokens: torch.Tensor | slice,  # [num_decode] each row's token index in query
     ctx_lens: torch.Tensor,  # [num_decode]
     block_tables: torch.Tensor,  # [num_decode, max_blocks_per_row]
     scale: float,
     out: torch.Tensor,
 ) -> None:
     """All decode rows at once: gather their contexts padded to the longest, mask the padding."""
-    num_decode = token_ids.shape[0]
+    num_decode = ctx_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
     min_ctx, max_ctx = ctx_lens.aminmax()
@@ -148,11 +153,11 @@ def _attend_decode_rows(
     keys = keys.view(num_decode, padded_len, num_kv_heads, head_dim).transpose(1, 2)
     values = values.view(num_decode, padded_len, num_kv_heads, head_dim).transpose(1, 2)
     group = num_heads // num_kv_heads
-    queries = query[token_ids].view(num_decode, num_kv_heads, group, head_dim)
+    queries = query[tokens].view(num_decode, num_kv_heads, group, head_dim)
     attended = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=mask[:, None, None, :], scale=scale
     )  # [num_decode, num_kv_heads, group, head_dim]
-    out[token_ids] = attended.reshape(num_decode, num_heads, head_dim)
+    out[tokens] = attended.reshape(num_decode, num_heads, head_dim)
 
 
 def _attend_prompt_row(
