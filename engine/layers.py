@@ -49,12 +49,20 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         parallel: ParallelContext = SINGLE_PROCESS,
+        shard_ranges: list[tuple[int, int]] | None = None,
     ) -> None:
+        """``shard_ranges``: this rank's ``(start, size)`` of each part, for uneven splits
+        (attention heads, see ``engine/tp_sharding.py``); default: even shares in rank order."""
         super().__init__()
         self.parallel = parallel
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
-        self.local_sizes = [parallel.shard(size, "an output part") for size in output_sizes]
+        if shard_ranges is None:
+            self.local_sizes = [parallel.shard(size, "an output part") for size in output_sizes]
+            self.local_starts = [parallel.rank * size for size in self.local_sizes]
+        else:
+            self.local_starts = [start for start, _ in shard_ranges]
+            self.local_sizes = [size for _, size in shard_ranges]
         local_out = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(local_out, input_size, dtype=dtype), False)
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
@@ -72,7 +80,7 @@ class ColumnParallelLinear(nn.Module):
         if _shape(loaded)[0] != full_size:
             raise ValueError(f"part {shard_id} has {_shape(loaded)[0]} rows, expected {full_size}")
         size = self.local_sizes[shard_id]
-        start = self.parallel.rank * size
+        start = self.local_starts[shard_id]
         offset = sum(self.local_sizes[:shard_id])
         _copy_checked(param[offset : offset + size], loaded[start : start + size], "column part")
 
@@ -92,10 +100,17 @@ class RowParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         parallel: ParallelContext = SINGLE_PROCESS,
+        input_range: tuple[int, int] | None = None,
     ) -> None:
+        """``input_range``: this rank's ``(start, size)`` of the input features, for uneven
+        splits; default: an even share in rank order."""
         super().__init__()
         self.parallel = parallel
-        self.local_input_size = parallel.shard(input_size, "the input features")
+        if input_range is None:
+            self.local_input_size = parallel.shard(input_size, "the input features")
+            self.local_input_start = parallel.rank * self.local_input_size
+        else:
+            self.local_input_start, self.local_input_size = input_range
         self.weight = nn.Parameter(
             torch.empty(output_size, self.local_input_size, dtype=dtype), False
         )
@@ -106,7 +121,7 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = _load_whole  # type: ignore[attr-defined]
 
     def _load_weight(self, param: torch.Tensor, loaded: Any, shard_id: int = 0) -> None:
-        start = self.parallel.rank * self.local_input_size
+        start = self.local_input_start
         _copy_checked(param, loaded[:, start : start + self.local_input_size], "row weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ from engine.model_config import ModelConfig
 from engine.model_resolver import resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.tp_group import TensorParallelGroup, start_tensor_parallel
+from engine.tp_sharding import check_tensor_parallel
 from kv_cache import KVCacheManager
 from scheduler.batch import ScheduledBatch
 from scheduler.request import Request, RequestStatus
@@ -53,12 +56,8 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         backend = resolve_attention_backend(config.attention_backend, device)
-        if config.tensor_parallel_size != 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 needs the tensor-parallel workers, which this engine "
-                "does not start; use tensor_parallel_size 1"
-            )
         model_config = ModelConfig.from_dir(model_dir)
+        check_tensor_parallel(model_config, config.tensor_parallel_size)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(
@@ -83,9 +82,9 @@ class LLMEngine:
             dict.fromkeys(model_config.eos_token_ids + tokenizer_eos)
         )
         blocks_per_seq = -(-max_model_len // config.block_size)
-        self.runner = ModelRunner(
-            model_dir,
-            model_config,
+        runner_kwargs = dict(
+            model_dir=model_dir,
+            model_config=model_config,
             dtype=dtype,
             device=device,
             attention_backend=backend,
@@ -96,6 +95,15 @@ class LLMEngine:
             max_useful_blocks=config.max_batch_seqs * blocks_per_seq,
             seed=config.seed,
         )
+        # rank 0 of a tensor-parallel group, or None on one process
+        self.tp_group: TensorParallelGroup | None = None
+        self.runner: ModelRunner
+        if config.tensor_parallel_size > 1:
+            self.tp_group, self.runner = start_tensor_parallel(
+                config.tensor_parallel_size, runner_kwargs, config.num_threads
+            )
+        else:
+            self.runner = ModelRunner(**runner_kwargs)
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.kv_manager = KVCacheManager(
             self.num_kv_blocks,
@@ -161,6 +169,8 @@ class LLMEngine:
         """One schedule / execute / update. Returns a delta per request that got a token or
         ended; [] when idle. A forward pass that raises fails its batch's requests alone."""
         start = time.perf_counter()
+        if self.tp_group is not None:
+            self.tp_group.check_alive()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             self.runner.drop_requests(list(batch.finished_request_ids))
@@ -168,6 +178,8 @@ class LLMEngine:
         try:
             sampled = self.runner.execute(batch)
         except Exception as error:  # noqa: BLE001 - the step must survive and report it
+            if self.tp_group is not None:
+                raise  # the ranks are out of step: no later step can run
             logger.exception("a step of %d tokens failed", batch.num_tokens)
             return self._fail_batch(batch, error)
         requests = self.scheduler.update(batch, sampled.token_ids)
@@ -197,6 +209,17 @@ class LLMEngine:
                 outputs.append(_output(request, [], None, error=message))
         self.runner.drop_requests([row.request_id for row in batch.rows])
         return outputs
+
+    def add_fatal_listener(self, listener: Callable[[str], None]) -> None:
+        """``listener(message)`` is called (from another thread) if the engine can no longer run,
+        such as when a tensor-parallel worker dies; later steps raise."""
+        if self.tp_group is not None:
+            self.tp_group.add_failure_listener(listener)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any. Idempotent."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -22,6 +22,7 @@ from engine.model_config import ModelConfig
 from engine.models import MODEL_CLASSES
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 from engine.sampler import Sampler, SamplerOutput
+from engine.tp_sharding import shard_heads
 from engine.weights import iterate_weights
 from kernels import get_ops
 from scheduler.batch import ScheduledBatch
@@ -73,7 +74,9 @@ class ModelRunner:
             time.perf_counter() - start,
         )
 
-        num_kv_heads = parallel.shard(model_config.num_kv_heads, "num_key_value_heads")
+        num_kv_heads = shard_heads(
+            model_config.num_heads, model_config.num_kv_heads, parallel.rank, parallel.world_size
+        ).num_kv_heads
         block_bytes = bytes_per_block(
             model_config.num_layers, block_size, num_kv_heads, model_config.head_dim, dtype
         )
@@ -81,6 +84,8 @@ class ModelRunner:
             num_kv_blocks = num_blocks_for_budget(
                 kv_cache_memory, block_bytes, device, max_useful_blocks
             )
+        # Block ids are shared by every rank's cache: all ranks take the smallest count.
+        num_kv_blocks = parallel.min_over_ranks(num_kv_blocks)
         self.num_kv_blocks = num_kv_blocks
         self.kv_cache = allocate_kv_cache(
             model_config.num_layers,

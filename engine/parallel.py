@@ -41,6 +41,16 @@ class ParallelContext:
         torch.distributed.all_reduce(x, group=self.group)
         return x
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (all ranks call it together)."""
+        if self.world_size == 1:
+            return value
+        # NCCL reduces GPU tensors only, gloo CPU tensors
+        device = "cuda" if torch.distributed.get_backend(self.group) == "nccl" else "cpu"
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Ranks' ``x`` concatenated along the last dimension, rank order."""
         if self.world_size == 1:

@@ -223,6 +223,9 @@ class AsyncEngine:
         except BaseException as error:  # noqa: BLE001 - any load failure ends the process
             self._die(f"the engine failed to load: {error!r}", traceback.format_exc())
             return
+        add_fatal_listener = getattr(self.engine, "add_fatal_listener", None)
+        if add_fatal_listener is not None:  # e.g. a tensor-parallel worker died, even when idle
+            add_fatal_listener(lambda message: self._die(message, "reported by the engine"))
         self.ready = True
         if self._on_ready is not None:
             self._post(self._on_ready, self.engine)

@@ -119,6 +119,14 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from engine.distributed import torchrun_environment
+
+    torchrun = torchrun_environment()
+    if torchrun is not None and torchrun.rank != 0:
+        # a tensor-parallel rank started by torchrun: no HTTP server, it serves rank 0's steps
+        from engine.tp_worker import run_torchrun_worker
+
+        return run_torchrun_worker(config.engine)
     from server.app import create_app, describe_config
     from server.runner import run as run_server
 

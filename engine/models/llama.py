@@ -29,6 +29,7 @@ from engine.layers import (
 )
 from engine.model_config import ModelConfig
 from engine.parallel import SINGLE_PROCESS, ParallelContext
+from engine.tp_sharding import shard_heads
 from kernels import build_cos_sin_cache
 
 
@@ -56,10 +57,15 @@ class Attention(nn.Module):
         super().__init__()
         self.ops = ops
         head_dim = config.head_dim
-        self.num_heads = parallel.shard(config.num_heads, "num_attention_heads")
-        self.num_kv_heads = parallel.shard(config.num_kv_heads, "num_key_value_heads")
+        heads = shard_heads(
+            config.num_heads, config.num_kv_heads, parallel.rank, parallel.world_size
+        )
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        q_range = (heads.head_start * head_dim, heads.num_heads * head_dim)
+        kv_range = (heads.kv_head_start * head_dim, heads.num_kv_heads * head_dim)
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
             [
@@ -70,10 +76,11 @@ class Attention(nn.Module):
             bias=config.attention_bias,
             dtype=dtype,
             parallel=parallel,
+            shard_ranges=[q_range, kv_range, kv_range],
         )
         self.o_proj = RowParallelLinear(
             config.num_heads * head_dim, config.hidden_size, bias=False, dtype=dtype,
-            parallel=parallel,
+            parallel=parallel, input_range=q_range,
         )  # fmt: skip
         self.split_sizes = self.qkv_proj.local_output_sizes
 
