@@ -74,12 +74,12 @@ class SamplingParams:
             fail("presence_penalty", "must be in [-2, 2]")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             fail("frequency_penalty", "must be in [-2, 2]")
-        if not (0.0 < self.repetition_penalty <= 2.0) or not math.isfinite(
-            self.repetition_penalty
-        ):
+        if not (0.0 < self.repetition_penalty <= 2.0) or not math.isfinite(self.repetition_penalty):
             fail("repetition_penalty", "must be in (0, 2]")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            fail("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            fail("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not s for s in self.stop):
             fail("stop", "must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):

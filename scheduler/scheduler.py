@@ -83,6 +83,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def running_requests(self) -> list[Request]:
+        """The running requests, oldest first (a copy)."""
+        return list(self._running)
+
+    def waiting_requests(self) -> list[Request]:
+        """The waiting queue in admission order (a copy)."""
+        return list(self._waiting)
+
     def get_request(self, request_id: str) -> Request | None:
         """A waiting or running request; None when unknown or finished."""
         return self._requests.get(request_id)
@@ -141,41 +149,31 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         budget = self.max_batch_tokens
         max_rows = self.max_batch_seqs
-        num_preempted = 0
+        num_preemptions_before = self.num_preemptions
 
         # 1. Decodes, oldest first; remember requests with a prompt (or a recompute) to run.
         prompt_requests: list[Request] = []
+        block_size = kv.block_size
         index = 0
         while index < len(running) and budget > 0 and len(rows) < max_rows:
             request = running[index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
-            if num_new_tokens != 1:
-                if num_new_tokens > 1:
+            index += 1
+            token_ids = request.token_ids
+            position = request.num_computed_tokens
+            if len(token_ids) - position != 1:
+                if len(token_ids) - position > 1:
                     prompt_requests.append(request)
-                index += 1
                 continue
-            while kv.allocate_slots(request, 1) is None:
-                victim = running.pop()  # the newest; it has no row in this batch yet
-                self._preempt(victim)
-                num_preempted += 1
-                if victim is request:
-                    break
-            else:
-                position = request.num_computed_tokens
-                rows.append(
-                    BatchRow(
-                        request.request_id,
-                        (request.token_ids[position],),
-                        position,
-                        kv.block_ids(request.request_id),
-                        True,
-                    )
-                )
-                request.num_computed_tokens = position + 1
-                budget -= 1
-                index += 1
-                continue
-            break  # the request preempted itself: it was the newest, nothing is left
+            block_ids = kv.block_ids(request.request_id)
+            if len(block_ids) * block_size <= position:  # the token starts a new block
+                if not self._allocate_or_preempt(request):
+                    break  # the request preempted itself: it was the newest, none is left
+                block_ids = kv.block_ids(request.request_id)
+            rows.append(
+                BatchRow(request.request_id, (token_ids[position],), position, block_ids, True)
+            )
+            request.num_computed_tokens = position + 1
+            budget -= 1
 
         # 2. Prompt chunks of running requests, in arrival order.
         busy_groups = {r.group_id for r in prompt_requests if r.group_id is not None}
@@ -219,7 +217,7 @@ class Scheduler:
             rows=tuple(rows),
             new_requests=tuple(new_requests),
             finished_request_ids=tuple(self._finished_ids),
-            num_preempted=num_preempted,
+            num_preempted=self.num_preemptions - num_preemptions_before,
         )
         self._finished_ids.clear()
         self._finished_id_set.clear()
@@ -241,6 +239,7 @@ class Scheduler:
             )
         self._last_batch = None
         kv = self.kv_manager
+        block_size = kv.block_size
         requests = self._requests
         running_status = RequestStatus.RUNNING
         now = time.monotonic()
@@ -254,7 +253,9 @@ class Scheduler:
                 next_sample += 1
             if request is None or request.status is not running_status:
                 continue  # aborted after schedule()
-            kv.cache_blocks(request, row.start_pos + len(row.token_ids))
+            end = row.start_pos + len(row.token_ids)
+            if end // block_size > row.start_pos // block_size:  # the row completed a block
+                kv.cache_blocks(request, end)
             if not row.sample:
                 continue
             request.token_ids.append(token_id)
@@ -320,6 +321,16 @@ class Scheduler:
         )
         return num_tokens
 
+    def _allocate_or_preempt(self, request: Request) -> bool:
+        """Allocate a block for a decode, preempting the newest running requests until one is
+        free. False when the request itself was the newest and got preempted."""
+        while self.kv_manager.allocate_slots(request, 1) is None:
+            victim = self._running.pop()  # the newest; it has no row in this batch yet
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it first, to recompute all its tokens."""
         self.kv_manager.free(request)
@@ -333,16 +344,15 @@ class Scheduler:
         """The finish status after ``token_id`` was appended, or None. A stop token counts only
         after ``min_tokens`` other outputs; a stop wins over ``length`` on the same token."""
         params = request.sampling_params
-        if request.num_output_tokens > params.min_tokens and (
+        num_tokens = len(request.token_ids)
+        num_output_tokens = num_tokens - request.num_prompt_tokens
+        if num_output_tokens > params.min_tokens and (
             token_id in params.stop_token_ids
             or (not params.ignore_eos and token_id in request.eos_token_ids)
         ):
             request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self._max_num_tokens
-        ):
+        if num_output_tokens >= params.max_tokens or num_tokens >= self._max_num_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 
