@@ -1,0 +1,109 @@
+"""The pure function that flattens a ScheduledBatch into the forward pass's tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.input_builder import build_model_input
+from scheduler.batch import BatchRow, ScheduledBatch
+
+
+def _lists(batch: ScheduledBatch, block_size: int) -> dict[str, list]:
+    inputs = build_model_input(batch, block_size)
+    meta = inputs.metadata
+    assert inputs.input_ids.dtype == torch.int64 and inputs.positions.dtype == torch.int64
+    assert meta.slot_mapping.dtype == torch.int64 and inputs.sample_rows.dtype == torch.int64
+    assert meta.query_start.dtype == torch.int32 and meta.context_lens.dtype == torch.int32
+    assert meta.block_tables.dtype == torch.int32
+    return {
+        "input_ids": inputs.input_ids.tolist(),
+        "positions": inputs.positions.tolist(),
+        "slot_mapping": meta.slot_mapping.tolist(),
+        "query_start": meta.query_start.tolist(),
+        "context_lens": meta.context_lens.tolist(),
+        "block_tables": meta.block_tables.tolist(),
+        "sample_rows": inputs.sample_rows.tolist(),
+        "max_query_len": meta.max_query_len,
+        "max_context_len": meta.max_context_len,
+    }
+
+
+def test_docstring_example() -> None:
+    batch = ScheduledBatch(
+        rows=(
+            BatchRow("a", (50,), 5, (3, 8), True),
+            BatchRow("b", (60, 61, 62), 2, (6, 1), False),
+            BatchRow("c", (70, 71), 0, (2,), True),
+        )
+    )
+    assert _lists(batch, 4) == {
+        "input_ids": [50, 60, 61, 62, 70, 71],
+        "positions": [5, 2, 3, 4, 0, 1],
+        "slot_mapping": [33, 26, 27, 4, 8, 9],
+        "query_start": [0, 1, 4, 6],
+        "context_lens": [6, 5, 2],
+        "block_tables": [[3, 8], [6, 1], [2, 0]],
+        "sample_rows": [0, 5],
+        "max_query_len": 3,
+        "max_context_len": 6,
+    }
+
+
+def test_decodes_and_first_middle_last_chunks_across_block_boundaries() -> None:
+    # block_size 4. Two decodes (one on the first slot of a fresh block, one mid-block), then a
+    # first prompt chunk (positions 0-5, crossing into its second block), a middle chunk
+    # (positions 6-9, crossing from block 2 to block 3) and a last chunk (positions 10-12).
+    batch = ScheduledBatch(
+        rows=(
+            BatchRow("d1", (11,), 8, (4, 5, 9), True),  # position 8: block 9, offset 0
+            BatchRow("d2", (12,), 6, (7, 0), True),  # position 6: block 0, offset 2
+            BatchRow("first", (1, 2, 3, 4, 5, 6), 0, (10, 2, 13, 14), False),
+            BatchRow("middle", (7, 8, 9, 10), 6, (15, 16, 17, 18), False),
+            BatchRow("last", (20, 21, 22), 10, (19, 20, 21, 22), True),
+        )
+    )
+    got = _lists(batch, 4)
+    assert got["input_ids"] == [11, 12, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20, 21, 22]
+    assert got["positions"] == [8, 6, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert got["slot_mapping"] == [
+        36,  # d1: 9 * 4 + 0
+        2,  # d2: 0 * 4 + 2
+        40, 41, 42, 43, 8, 9,  # first: block 10 then block 2
+        66, 67, 68, 69,  # middle: positions 6, 7 in block 16; 8, 9 in block 17
+        86, 87, 88,  # last: positions 10, 11 in block 21; 12 in block 22
+    ]  # fmt: skip
+    assert got["query_start"] == [0, 1, 2, 8, 12, 15]
+    assert got["context_lens"] == [9, 7, 6, 10, 13]
+    # Tables are cut to the blocks the context uses (ceil(context_len / 4)), padded with 0.
+    assert got["block_tables"] == [
+        [4, 5, 9, 0],
+        [7, 0, 0, 0],
+        [10, 2, 0, 0],
+        [15, 16, 17, 0],
+        [19, 20, 21, 22],
+    ]
+    assert got["sample_rows"] == [0, 1, 14]
+    assert got["max_query_len"] == 6 and got["max_context_len"] == 13
+
+
+def test_block_size_one_and_single_decode() -> None:
+    batch = ScheduledBatch(rows=(BatchRow("x", (5,), 2, (7, 3, 9), True),))
+    got = _lists(batch, 1)
+    assert got["slot_mapping"] == [9]
+    assert got["block_tables"] == [[7, 3, 9]]
+    assert got["query_start"] == [0, 1] and got["context_lens"] == [3]
+    assert got["sample_rows"] == [0]
+
+
+def test_no_sampling_rows() -> None:
+    batch = ScheduledBatch(rows=(BatchRow("p", (1, 2, 3), 0, (0,), False),))
+    assert _lists(batch, 16)["sample_rows"] == []
+
+
+def test_rejects_empty_batch_and_short_block_tables() -> None:
+    with pytest.raises(ValueError, match="empty batch"):
+        build_model_input(ScheduledBatch(rows=()), 4)
+    short = ScheduledBatch(rows=(BatchRow("s", (1, 2, 3), 3, (5,), True),))  # needs 2 blocks
+    with pytest.raises(ValueError, match="need 2 blocks"):
+        build_model_input(short, 4)
