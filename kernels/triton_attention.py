@@ -38,10 +38,10 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def _find_row(query_start_ptr, num_rows, tile_id, BLOCK_Q: tl.constexpr):
+def _find_row(query_start_ptr, num_rows: tl.int32, tile_id, BLOCK_Q: tl.constexpr):
     """The last row r with query_start[r] // BLOCK_Q + r <= tile_id."""
-    low = 0
-    high = num_rows
+    low: tl.int32 = 0  # typed: both bounds are loop-carried
+    high: tl.int32 = num_rows
     while low < high:
         mid = (low + high) // 2
         first_tile = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
@@ -62,7 +62,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_rows, max_blocks_per_row] int32
     out_ptr,  # [num_tokens, num_heads, head_dim], or with splits the partial outputs
     lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32 (splits only)
-    num_rows,
+    num_rows: tl.int32,
     num_heads,
     scale_log2,  # softmax scale * log2(e)
     stride_q_token,
