@@ -116,7 +116,9 @@ class ServerThread:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", log_level: str = "warning") -> None:
         self.app = app
         self.state: ServerState = app.state.server
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only then (with
+        # proto 0, Nagle holds each response body back behind its headers for ~40 ms).
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, 0))
         self.port = self._socket.getsockname()[1]

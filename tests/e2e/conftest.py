@@ -16,7 +16,9 @@ from server.runner import ServerThread
 TINY_ENGINE = {"dtype": "float32", "kv_cache_memory": "64MiB"}
 
 
-def tiny_config(model_dir: Path, engine: dict[str, Any] | None = None, **server: Any) -> ServerConfig:
+def tiny_config(
+    model_dir: Path, engine: dict[str, Any] | None = None, **server: Any
+) -> ServerConfig:
     return ServerConfig(engine={"model": str(model_dir), **TINY_ENGINE, **(engine or {})}, **server)
 
 

@@ -106,9 +106,18 @@ def test_completion_400s(tiny_server: ServerThread, body: dict, param: str | Non
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
         ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
         ({"tool_choice": "required"}, "tool_choice", "tool"),
-        ({"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},  # fmt: skip
-         "messages.0.content", "image_url"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            },  # fmt: skip
+            "messages.0.content",
+            "image_url",
+        ),
         ({"messages": []}, "messages", None),
         ({"messages": [{"role": "wizard", "content": "x"}]}, None, None),
         ({"top_logprobs": 2}, None, "logprobs"),
@@ -136,9 +145,9 @@ def test_context_length_message(tiny_server: ServerThread) -> None:
         tiny_server.url + "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "hi " * max_model_len}]},
     )
-    assert f"maximum context length is {max_model_len} tokens" in _assert_error(chat, 400)[
-        "message"
-    ]
+    assert (
+        f"maximum context length is {max_model_len} tokens" in _assert_error(chat, 400)["message"]
+    )
 
 
 def test_bad_json_unknown_model_and_route(tiny_server: ServerThread) -> None:

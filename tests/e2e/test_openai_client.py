@@ -27,7 +27,12 @@ def test_completion_usage_matches_the_tokenizer(
 ) -> None:
     prompt = "The capital of France is"
     result = client.completions.create(
-        model=model, prompt=prompt, max_tokens=7, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+        model=model,
+        prompt=prompt,
+        max_tokens=7,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
     )  # type: ignore[call-arg]
     assert result.object == "text_completion"
     assert result.id.startswith("cmpl-")
@@ -41,7 +46,9 @@ def test_completion_usage_matches_the_tokenizer(
     assert choice.text == "".join(choice.logprobs.tokens)
     # Greedy: the sampled token is the most likely one.
     for token, logprob, top in zip(
-        choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs,
+        choice.logprobs.tokens,
+        choice.logprobs.token_logprobs,
+        choice.logprobs.top_logprobs,
         strict=True,
     ):
         assert logprob <= 0
@@ -106,20 +113,33 @@ def test_chat_completion_and_stream(client: openai.OpenAI, model: str, tiny_toke
 
 def test_n_2_sampled_and_streamed(client: openai.OpenAI, model: str) -> None:
     result = client.completions.create(
-        model=model, prompt="The weather today", max_tokens=8, n=2, temperature=1.0, seed=3,
+        model=model,
+        prompt="The weather today",
+        max_tokens=8,
+        n=2,
+        temperature=1.0,
+        seed=3,
         extra_body={"ignore_eos": True},
     )  # type: ignore[call-arg]
     assert sorted(c.index for c in result.choices) == [0, 1]
     assert result.choices[0].text != result.choices[1].text  # distinct samples
     assert result.usage.completion_tokens == 16
     again = client.completions.create(
-        model=model, prompt="The weather today", max_tokens=8, n=2, temperature=1.0, seed=3,
+        model=model,
+        prompt="The weather today",
+        max_tokens=8,
+        n=2,
+        temperature=1.0,
+        seed=3,
         extra_body={"ignore_eos": True},
     )  # type: ignore[call-arg]
     assert [c.text for c in again.choices] == [c.text for c in result.choices]  # seeded
     chunks = list(
         client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5,
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            n=2,
+            max_tokens=5,
             stream=True,
         )
     )
@@ -130,7 +150,11 @@ def test_n_2_sampled_and_streamed(client: openai.OpenAI, model: str) -> None:
 
 def test_stop_string_is_not_emitted(client: openai.OpenAI, model: str) -> None:
     base = client.completions.create(
-        model=model, prompt="Once upon a time", max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )  # type: ignore[call-arg]
     text = base.choices[0].text
     assert len(text) > 6
@@ -142,7 +166,11 @@ def test_stop_string_is_not_emitted(client: openai.OpenAI, model: str) -> None:
     assert result.choices[0].text == cut
     assert result.choices[0].finish_reason == "stop"
     streamed = client.completions.create(
-        model=model, prompt="Once upon a time", max_tokens=20, temperature=0, stop=stop,
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0,
+        stop=stop,
         stream=True,
     )
     chunks = list(streamed)
@@ -152,8 +180,12 @@ def test_stop_string_is_not_emitted(client: openai.OpenAI, model: str) -> None:
 
 def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
     result = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Count: one, two"}], max_tokens=6,
-        temperature=0, logprobs=True, top_logprobs=3,
+        model=model,
+        messages=[{"role": "user", "content": "Count: one, two"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     content = result.choices[0].logprobs.content
     assert len(content) == result.usage.completion_tokens
@@ -168,7 +200,11 @@ def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
 
 def test_prompt_as_token_ids_and_batches(client: openai.OpenAI, model: str) -> None:
     result = client.completions.create(
-        model=model, prompt=[[10, 11, 12], [20, 21]], max_tokens=3, temperature=0, echo=True,
+        model=model,
+        prompt=[[10, 11, 12], [20, 21]],
+        max_tokens=3,
+        temperature=0,
+        echo=True,
     )
     assert [c.index for c in result.choices] == [0, 1]
     assert result.usage.prompt_tokens == 5
@@ -185,5 +221,3 @@ def test_tokenize_and_detokenize(tiny_server: ServerThread, tiny_tokenizer: Any)
         assert tokens["count"] == len(tokens["tokens"])
         text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
         assert text["prompt"] == "Hello world"
-
-
