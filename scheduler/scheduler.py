@@ -19,6 +19,11 @@ four steps run 32, 32, 32 and 4 tokens, and only the last samples.
 tokens whose K/V will be in the cache once this batch has run. ``update()`` then appends the
 sampled tokens and registers the blocks the batch completed in the prefix cache.
 
+A request finishes with ``stop`` on a token in ``stop_token_ids`` or, unless ``ignore_eos``, in its
+``eos_token_ids``, once at least ``min_tokens`` other tokens precede it; with ``length`` at
+``max_tokens`` outputs, at ``max_model_len`` tokens, or when its next token would need more slots
+than the whole pool has (it could never run again). A stop wins over a length on the same token.
+
 Not thread-safe: the engine calls every method from its own loop thread.
 """
 
@@ -81,6 +86,7 @@ class Scheduler:
         return len(self._waiting)
 
     def has_unfinished(self) -> bool:
+        """Whether any request waits or runs (finished ids not yet reported do not count)."""
         return bool(self._requests)
 
     def running_requests(self) -> list[Request]:
@@ -282,7 +288,7 @@ class Scheduler:
         assert set(self._arrival_order) == set(self._requests)
         orders = [self._arrival_order[i] for i in running_ids]
         assert orders == sorted(orders), "running requests out of arrival order"
-        num_held_blocks = 0
+        held_block_ids: set[int] = set()
         for request in self._waiting:
             assert request.status is RequestStatus.WAITING, request
             assert request.num_computed_tokens == 0, request
@@ -293,8 +299,9 @@ class Scheduler:
             assert request.num_tokens <= self._max_num_tokens, request
             num_slots = len(kv.block_ids(request.request_id)) * kv.block_size
             assert num_slots >= max(request.num_computed_tokens, request.num_tokens - 1), request
-            num_held_blocks += len(kv.block_ids(request.request_id))
-        assert num_held_blocks >= kv.num_blocks - kv.num_free_blocks
+            held_block_ids.update(kv.block_ids(request.request_id))
+        in_use = {b for b in range(kv.num_blocks) if kv.pool.ref_count(b) > 0}
+        assert held_block_ids == in_use, "blocks in use that no running request holds"
 
     # -- internals --------------------------------------------------------------------------------
 

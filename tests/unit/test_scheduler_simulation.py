@@ -10,9 +10,13 @@ requests, a stale prefix-cache hit or a wrong position shows up as a wrong read.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kv_cache import KVCacheManager
 from scheduler import Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
@@ -20,14 +24,34 @@ from scheduler import Request, RequestStatus, SamplingParams, ScheduledBatch, Sc
 VOCAB = 512
 EOS = 0
 HASH_MODULUS = (1 << 61) - 1
-NUM_REQUESTS = 2000
-MAX_PROMPT = 4096
-MAX_OUTPUT = 512
-MAX_MODEL_LEN = 4400
-BLOCK_SIZE = 16
-NUM_BLOCKS = 300  # 4,800 slots: one longest request fits, a handful of average ones do
-BUDGET = 256
-MAX_SEQS = 24
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_requests: int
+    max_prompt: int
+    max_output: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    budget: int
+    max_seqs: int
+    prompt_vocab: int = VOCAB  # prompt token ids are drawn from 1 .. prompt_vocab - 1
+    abort_rate: float = 0.02
+    enable_prefix_caching: bool = True
+
+
+# 4,800 slots: the longest request fits, a handful of average ones do.
+LARGE = SimConfig(
+    num_requests=2000,
+    max_prompt=4096,
+    max_output=512,
+    max_model_len=4400,
+    block_size=16,
+    num_blocks=300,
+    budget=256,
+    max_seqs=24,
+)
 
 
 def roll(prefix_hash: int, token_id: int) -> int:
@@ -39,7 +63,8 @@ def next_token(prefix_hash: int) -> int:
 
 
 def reference_output(request: Request, max_model_len: int) -> tuple[list[int], str]:
-    """What the request gets run alone with an unlimited pool (the finish rules, restated)."""
+    """What the request gets run alone with an unlimited pool (the finish rules, restated).
+    ``max_model_len`` here is the scheduler's limit capped at the pool's slots + 1."""
     params = request.sampling_params
     prefix_hash = 0
     for token_id in request.prompt_token_ids:
@@ -122,26 +147,32 @@ class FakeRunner:
         return sampled
 
 
-def _random_request(rng: random.Random, index: int, prompts: list[list[int]]) -> list[Request]:
+def _random_requests(
+    rng: random.Random, config: SimConfig, index: int, prompts: list[list[int]]
+) -> list[Request]:
     """One request, an n > 1 group sharing a prompt, or a repeat of an earlier prompt."""
 
     def log_uniform(high: int) -> int:
         return min(high, int(math.exp(rng.uniform(0, math.log(high + 1)))))
 
-    params = {"max_tokens": log_uniform(MAX_OUTPUT)}
+    params: dict[str, object] = {"max_tokens": log_uniform(config.max_output)}
     if rng.random() < 0.2:
-        params["min_tokens"] = rng.randint(0, params["max_tokens"])
+        params["min_tokens"] = rng.randint(0, log_uniform(config.max_output))
+        params["max_tokens"] = max(params["min_tokens"], params["max_tokens"])
     if rng.random() < 0.2:
         params["ignore_eos"] = True
     if rng.random() < 0.2:
         params["stop_token_ids"] = (rng.randrange(VOCAB),)
     kind = rng.random()
+    count, group_id = 1, None
     if kind < 0.1 and prompts:
-        prompt, count, group_id = list(rng.choice(prompts)), 1, None
+        prompt = list(rng.choice(prompts))
     else:
-        length = rng.choice((1, MAX_PROMPT)) if rng.random() < 0.02 else log_uniform(MAX_PROMPT)
-        prompt = [rng.randrange(1, VOCAB) for _ in range(length)]
-        count, group_id = 1, None
+        if rng.random() < 0.02:
+            length = rng.choice((1, config.max_prompt))
+        else:
+            length = log_uniform(config.max_prompt)
+        prompt = [rng.randrange(1, config.prompt_vocab) for _ in range(length)]
         if kind > 0.9:
             count, group_id = rng.randint(2, 4), f"group{index}"
         else:
@@ -150,7 +181,7 @@ def _random_request(rng: random.Random, index: int, prompts: list[list[int]]) ->
         Request(
             f"req{index}-{member}",
             prompt,
-            SamplingParams(**params),
+            SamplingParams(**params),  # type: ignore[arg-type]
             eos_token_ids=(EOS,),
             group_id=group_id,
         )
@@ -160,14 +191,15 @@ def _random_request(rng: random.Random, index: int, prompts: list[list[int]]) ->
 
 def _check_step(
     scheduler: Scheduler,
+    config: SimConfig,
     batch: ScheduledBatch,
     before: dict[str, tuple[RequestStatus, int, int, int]],
 ) -> None:
     """Per-step rules; ``before`` holds (status, num_tokens, num_computed_tokens,
     num_preemptions) per running request as they were before ``schedule()``."""
     kv = scheduler.kv_manager
-    assert batch.num_tokens <= BUDGET
-    assert batch.num_rows <= MAX_SEQS
+    assert batch.num_tokens <= config.budget
+    assert batch.num_rows <= config.max_seqs
     request_ids = [row.request_id for row in batch.rows]
     assert len(set(request_ids)) == len(request_ids), "a request twice in one step"
 
@@ -194,25 +226,18 @@ def _check_step(
         if request.group_id is not None:
             busy_groups.add(request.group_id)
         if row.num_tokens < remaining:  # split: only when the budget ran out at this row
-            assert index == batch.num_rows - 1 and batch.num_tokens == BUDGET
+            assert index == batch.num_rows - 1 and batch.num_tokens == config.budget
         assert row.sample == (row.num_tokens == remaining)
 
-    if batch.num_tokens < BUDGET and batch.num_rows < MAX_SEQS:
+    if batch.num_tokens < config.budget and batch.num_rows < config.max_seqs:
         # Nothing runnable may be left behind: every running request is in the batch ...
-        for request_id, (status, num_tokens, num_computed, _) in before.items():
-            if status is RequestStatus.RUNNING and num_tokens - num_computed > 1:
-                request = scheduler.get_request(request_id)
-                if request is not None and request.group_id is not None:
-                    busy_groups.add(request.group_id)
-        running_ids = {
-            request_id
-            for request_id, (status, num_tokens, num_computed, _) in before.items()
-            if status is RequestStatus.RUNNING
-            and num_tokens > num_computed
-            and scheduler.get_request(request_id) is not None
-            and scheduler.get_request(request_id).status is RequestStatus.RUNNING
-        }
-        assert running_ids <= set(request_ids)
+        for request_id, (_, num_tokens, num_computed, _) in before.items():
+            request = scheduler.get_request(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # preempted in this step
+            assert request_id in request_ids or num_tokens == num_computed
+            if num_tokens - num_computed > 1 and request.group_id is not None:
+                busy_groups.add(request.group_id)
         # ... and the first admissible waiting request does not fit in the free blocks.
         for request in scheduler.waiting_requests():
             if request.group_id in busy_groups:
@@ -224,11 +249,22 @@ def _check_step(
             break
 
 
-def test_simulation_matches_an_unlimited_pool_and_keeps_every_rule():
-    rng = random.Random(1234)
-    kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
-    scheduler = Scheduler(BUDGET, MAX_SEQS, MAX_MODEL_LEN, kv)
-    runner = FakeRunner(NUM_BLOCKS, BLOCK_SIZE)
+@dataclass
+class SimResult:
+    scheduler: Scheduler
+    requests: dict[str, Request]
+    aborted: set[str]
+    reasons: set[str]
+    num_fcfs_groups: int
+
+
+def simulate(config: SimConfig, seed: int) -> SimResult:
+    """Drive the scheduler with the fake runner until every request ended; check every step and
+    the final outputs against the unlimited-pool reference."""
+    rng = random.Random(seed)
+    kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler = Scheduler(config.budget, config.max_seqs, config.max_model_len, kv)
+    runner = FakeRunner(config.num_blocks, config.block_size)
     prompts: list[list[int]] = []
     requests: dict[str, Request] = {}
     live: dict[str, Request] = {}  # waiting or running
@@ -237,14 +273,14 @@ def test_simulation_matches_an_unlimited_pool_and_keeps_every_rule():
     aborted: set[str] = set()
     num_added = 0
     step = 0
-    while num_added < NUM_REQUESTS or scheduler.has_unfinished():
-        if num_added < NUM_REQUESTS and (scheduler.num_waiting < 4 or rng.random() < 0.3):
-            for request in _random_request(rng, num_added, prompts):
+    while num_added < config.num_requests or scheduler.has_unfinished():
+        if num_added < config.num_requests and (scheduler.num_waiting < 4 or rng.random() < 0.3):
+            for request in _random_requests(rng, config, num_added, prompts):
                 scheduler.add_request(request)
                 requests[request.request_id] = live[request.request_id] = request
                 arrival.append(request.request_id)
             num_added += 1
-        if live and rng.random() < 0.02:
+        if live and rng.random() < config.abort_rate:
             victim = live.pop(rng.choice(list(live)))
             assert scheduler.abort(victim.request_id) is victim
             aborted.add(victim.request_id)
@@ -254,9 +290,9 @@ def test_simulation_matches_an_unlimited_pool_and_keeps_every_rule():
             for r in scheduler.running_requests()
         }
         batch = scheduler.schedule()
-        _check_step(scheduler, batch, before)
+        _check_step(scheduler, config, batch, before)
         sampled = runner.execute(batch)
-        if batch.rows and rng.random() < 0.01:  # abort between schedule() and update()
+        if batch.rows and rng.random() < config.abort_rate / 2:  # between schedule and update
             victim_id = rng.choice(batch.rows).request_id
             scheduler.abort(victim_id)
             aborted.add(victim_id)
@@ -275,15 +311,14 @@ def test_simulation_matches_an_unlimited_pool_and_keeps_every_rule():
         assert step < 200_000, "the simulation does not make progress"
 
     scheduler.check_integrity()
-    assert kv.num_free_blocks == NUM_BLOCKS and kv.usage == 0.0
+    assert kv.num_free_blocks == config.num_blocks and kv.usage == 0.0
     assert scheduler.num_running == scheduler.num_waiting == 0
-    assert scheduler.num_preemptions > 50, "the pool never forced preemption"
-    assert kv.prefix_cache_hits > 0
-    assert len(aborted) > 10
 
+    # Preemption and batching change nothing visible.
+    max_len = min(config.max_model_len, config.num_blocks * config.block_size + 1)
     reasons = set()
     for request_id, request in requests.items():
-        expected, reason = reference_output(request, MAX_MODEL_LEN)
+        expected, reason = reference_output(request, max_len)
         if request_id in aborted:
             assert request.status is RequestStatus.FINISHED_ABORTED
             assert request.output_token_ids == expected[: request.num_output_tokens]
@@ -291,15 +326,54 @@ def test_simulation_matches_an_unlimited_pool_and_keeps_every_rule():
             assert request.output_token_ids == expected, request
             assert request.finish_reason == reason, request
             reasons.add(reason)
-    assert reasons == {"stop", "length"}
 
-    # First come, first served: among equal prompts, first tokens come in arrival order.
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    # First come, first served: among equal prompts, first tokens come in arrival order (within
+    # a group, and among requests outside groups: a group's waiting members are skipped while
+    # another member computes the prompt, so they may fall behind an equal ungrouped prompt).
+    by_prompt: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}
     for request_id in arrival:
         if request_id in first_token_step and request_id not in aborted:
-            key = tuple(requests[request_id].prompt_token_ids)
+            request = requests[request_id]
+            key = (request.group_id, tuple(request.prompt_token_ids))
             by_prompt.setdefault(key, []).append(first_token_step[request_id])
     repeated = [steps for steps in by_prompt.values() if len(steps) > 1]
-    assert len(repeated) > 20
     for steps in repeated:
         assert steps == sorted(steps)
+    return SimResult(scheduler, requests, aborted, reasons, len(repeated))
+
+
+def test_simulation_matches_an_unlimited_pool_and_keeps_every_rule():
+    result = simulate(LARGE, seed=1234)
+    assert len(result.requests) >= LARGE.num_requests
+    assert result.scheduler.num_preemptions > 50, "the pool never forced preemption"
+    assert result.scheduler.kv_manager.prefix_cache_hits > 0
+    assert len(result.aborted) > 10
+    assert result.reasons == {"stop", "length"}
+    assert result.num_fcfs_groups > 20
+
+
+small_configs = st.builds(
+    SimConfig,
+    num_requests=st.integers(1, 30),
+    max_prompt=st.integers(1, 48),
+    max_output=st.integers(1, 24),
+    max_model_len=st.integers(50, 80),
+    block_size=st.integers(1, 8),
+    num_blocks=st.integers(12, 40),
+    budget=st.integers(1, 40),
+    max_seqs=st.integers(1, 8),
+    prompt_vocab=st.integers(2, 4),  # equal prefixes are common: prefix-cache hits
+    abort_rate=st.sampled_from([0.0, 0.05]),
+    enable_prefix_caching=st.booleans(),
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=small_configs, seed=st.integers(0, 2**16))
+def test_small_random_configurations_keep_every_rule(config: SimConfig, seed: int):
+    """Edge shapes: budget 1, one row, block size 1, pools that hold one request."""
+    # Every prompt must fit the pool (add_request rejects it otherwise).
+    config = dataclasses.replace(
+        config, num_blocks=max(config.num_blocks, -(-config.max_prompt // config.block_size))
+    )
+    simulate(config, seed)
