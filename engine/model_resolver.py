@@ -92,12 +92,15 @@ def prepare_model(
 def resolve_model(name_or_path: str | Path) -> Path:
     """A model folder from a path or a name.
 
-    A path to a folder with ``config.json`` is used as is. ``SmolLM2-135M-Instruct`` resolves to
-    the prepared default model (prepared on first use); another name resolves to a folder of that
-    name under ``<cache>/models``.
+    A path to a folder with ``config.json`` is used as is; a ``.gguf`` file is prepared once into
+    ``<cache>/models/<file stem>``. ``SmolLM2-135M-Instruct`` resolves to the prepared default
+    model (prepared on first use); another name resolves to a folder of that name under
+    ``<cache>/models``.
     """
     text = str(name_or_path)
     path = Path(text).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return prepare_model(path, name=path.stem)
     if path.exists():
         if not _is_model_dir(path):
             raise FileNotFoundError(f"{path} is not a model folder (no config.json in it)")

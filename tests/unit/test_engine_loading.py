@@ -1,0 +1,268 @@
+"""Model folders: config parsing, safetensors loading (single, sharded), refusals, device/dtype
+choices, KV-cache sizing and model-name resolution."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import engine.device as device_module
+import engine.kv_cache_memory as kv_memory
+import engine.model_resolver as resolver
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig, ModelConfigError
+from engine.weights import WeightsError, safetensors_files
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+# -- config.json ----------------------------------------------------------------------------
+
+
+def test_config_reads_both_rope_layouts() -> None:
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    new = ModelConfig.from_dict({**BASE, "rope_parameters": {"rope_theta": 5e5, **llama3}})
+    old = ModelConfig.from_dict({**BASE, "rope_theta": 5e5, "rope_scaling": llama3})
+    assert new.rope_theta == old.rope_theta == 5e5
+    assert new.rope_scaling == old.rope_scaling == llama3
+    legacy = ModelConfig.from_dict({**BASE, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert legacy.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    plain = ModelConfig.from_dict({**BASE, "rope_parameters": {"rope_type": "default"}})
+    assert plain.rope_scaling is None and plain.rope_theta == 10000.0
+    assert plain.head_dim == 16
+
+
+def test_config_fields_and_eos_ids() -> None:
+    qwen = ModelConfig.from_dict(
+        {**BASE, "architectures": ["Qwen2ForCausalLM"], "eos_token_id": [5, 6], "head_dim": 32},
+        {"eos_token_id": 7},
+    )
+    assert qwen.attention_bias and qwen.head_dim == 32
+    assert qwen.eos_token_ids == (5, 6, 7)
+    assert not ModelConfig.from_dict(BASE).attention_bias
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "LlamaForCausalLM, MistralForCausalLM, Qwen2"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling"),
+        ({"num_key_value_heads": 3}, "not a multiple"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"vocab_size": None}, "vocab_size"),
+    ],
+)
+def test_config_errors_are_clear(change, message) -> None:
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_dict({**BASE, **change})
+
+
+def test_unknown_architecture_folder_fails_before_loading(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["FooLM"]}))
+    with pytest.raises(ModelConfigError, match="supported: LlamaForCausalLM"):
+        LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=8))
+
+
+# -- weights --------------------------------------------------------------------------------
+
+
+def test_pickled_checkpoints_are_refused(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled")
+    with pytest.raises(WeightsError, match="refused because unpickling"):
+        safetensors_files(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(WeightsError, match="no \\*.safetensors"):
+        safetensors_files(empty)
+
+
+def _greedy(model_dir: Path, prompt: list[int], **config) -> list[int]:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=32, **config))
+    from scheduler.sampling_params import SamplingParams
+
+    engine.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens.extend(delta.new_token_ids)
+    return tokens
+
+
+def test_sharded_checkpoint_loads_like_single_file(tiny_llama_dir, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(sharded)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(safetensors_files(sharded)) > 1
+    prompt = [5, 6, 7, 8, 9]
+    assert _greedy(sharded, prompt, dtype="float32") == _greedy(
+        tiny_llama_dir, prompt, dtype="float32"
+    )
+
+
+def _copy_model(source: Path, target: Path, edit) -> Path:
+    from safetensors.torch import load_file
+
+    target.mkdir()
+    for path in source.iterdir():
+        if path.name != "model.safetensors":
+            (target / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, target / "model.safetensors")
+    return target
+
+
+def test_missing_and_misshapen_weights_are_clear_errors(tiny_llama_dir, tmp_path) -> None:
+    missing = _copy_model(
+        tiny_llama_dir, tmp_path / "missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight")
+    )
+    with pytest.raises(ValueError, match="missing from the checkpoint: layers.1.mlp.gate_up"):
+        LLMEngine(EngineConfig(model=str(missing), dtype="float32", num_kv_blocks=8))
+
+    def shrink(tensors: dict) -> None:
+        tensors["model.norm.weight"] = tensors["model.norm.weight"][:10].clone()
+
+    misshapen = _copy_model(tiny_llama_dir, tmp_path / "misshapen", shrink)
+    with pytest.raises(ValueError, match=r"model.norm.weight: .*checkpoint shape \(10,\)"):
+        LLMEngine(EngineConfig(model=str(misshapen), dtype="float32", num_kv_blocks=8))
+
+
+def test_bfloat16_load_runs(tiny_qwen2_dir) -> None:
+    tokens = _greedy(tiny_qwen2_dir, [3, 4, 5], dtype="bfloat16")
+    assert len(tokens) == 8
+
+
+# -- device, dtype, backend -----------------------------------------------------------------
+
+
+def test_auto_dtype_follows_cpu_flags(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(device_module, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    assert device_module.resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(device_module, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert device_module.resolve_dtype("auto", cpu) == torch.float32
+    assert device_module.resolve_dtype("float16", cpu) == torch.float16
+    assert device_module.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    assert device_module.resolve_attention_backend("auto", cpu) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert device_module.resolve_attention_backend("triton", cpu) == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        device_module.resolve_attention_backend("triton", cpu)
+
+
+# -- KV-cache sizing ------------------------------------------------------------------------
+
+
+def test_kv_blocks_from_bytes_or_fraction(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    block = kv_memory.bytes_per_block(30, 16, 3, 64, torch.bfloat16)
+    assert block == 368_640
+    assert kv_memory.num_blocks_for_budget(2**30, block, cpu, 10**6) == 2912
+    monkeypatch.setattr(kv_memory, "free_memory_bytes", lambda device: 10 * block)
+    assert kv_memory.num_blocks_for_budget(0.5, block, cpu, 10**6) == 5
+    assert kv_memory.num_blocks_for_budget(2**30, block, cpu, 100) == 100  # capped
+    with pytest.raises(ValueError, match="holds no block"):
+        kv_memory.num_blocks_for_budget(1000, block, cpu, 100)
+
+
+def test_kv_cache_is_zeroed_and_shaped() -> None:
+    cache = kv_memory.allocate_kv_cache(2, 5, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
+    assert cache.shape == (2, 2, 5, 4, 2, 8) and cache.dtype == torch.bfloat16
+    assert not cache.any()
+    cache[1, 0, 4] = 1.0  # writable
+    assert cache.sum().item() == 4 * 2 * 8
+
+
+def test_engine_sizes_the_cache_from_memory_and_logs_it(tiny_llama_dir, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="engine.model_runner")
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="1MiB")
+    )
+    # 2 layers x 2 x 16 tokens x 2 KV heads x 16 x 4 bytes = 8 KiB per block
+    assert engine.num_kv_blocks == 128
+    assert engine.runner.kv_cache.shape == (2, 2, 128, 16, 2, 16)
+    assert "KV cache: 128 blocks of 16 tokens" in caplog.text
+    assert engine.config.dtype == "float32" and engine.config.max_model_len == 1024
+    assert engine.model_name == tiny_llama_dir.name
+
+
+def test_max_model_len_above_the_model_is_refused(tiny_llama_dir) -> None:
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=4096, num_kv_blocks=8))
+
+
+# -- model names ----------------------------------------------------------------------------
+
+
+def test_resolve_model_paths_and_names(tiny_llama_dir, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPLITFUSE_CACHE", str(tmp_path / "cache"))
+    assert resolver.resolve_model(str(tiny_llama_dir)) == tiny_llama_dir.resolve()
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        resolver.resolve_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="model 'no-such-model' not found"):
+        resolver.resolve_model("no-such-model")
+    named = tmp_path / "cache" / "models" / "mine"
+    named.mkdir(parents=True)
+    (named / "config.json").write_text("{}")
+    assert resolver.resolve_model("mine") == named
+
+
+def test_prepare_is_idempotent_and_atomic(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPLITFUSE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls = []
+
+    def fake_convert(source: Path, out_dir: Path, *, progress: bool) -> None:
+        calls.append(out_dir)
+        assert out_dir.parent == tmp_path / "cache" / "models"  # staged beside the target
+        assert ".tmp-" in out_dir.name
+        (out_dir / "config.json").write_text(json.dumps({"n": len(calls)}))
+
+    monkeypatch.setattr(resolver, "convert_gguf", fake_convert)
+    target = resolver.prepare_model(gguf)
+    assert target == tmp_path / "cache" / "models" / DEFAULT_MODEL
+    assert resolver.prepare_model(gguf) == target and len(calls) == 1
+    assert resolver.resolve_model(DEFAULT_MODEL) == target and len(calls) == 1
+    resolver.prepare_model(gguf, force=True)
+    assert json.loads((target / "config.json").read_text()) == {"n": 2}
+    leftovers = [p.name for p in target.parent.iterdir() if p.name.startswith(".") and p.is_dir()]
+    assert leftovers == []
+
+    def failing_convert(source: Path, out_dir: Path, *, progress: bool) -> None:
+        (out_dir / "partial").write_text("x")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(resolver, "convert_gguf", failing_convert)
+    with pytest.raises(RuntimeError, match="disk full"):
+        resolver.prepare_model(gguf, name="other")
+    assert not (target.parent / "other").exists()
+    assert [p for p in target.parent.iterdir() if p.is_dir() and ".tmp-" in p.name] == []
+    # a .gguf path resolves to a folder prepared under the file's stem
+    monkeypatch.setattr(resolver, "convert_gguf", fake_convert)
+    assert resolver.resolve_model(str(gguf)) == target.parent / "model"

@@ -1,0 +1,159 @@
+"""LLMEngine: input validation, abort, stop and length, logprobs, stats, and a failing step that
+fails its own batch only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from scheduler.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+@pytest.fixture
+def engine(tiny_llama_dir) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, block_size=4)
+    )
+
+
+def _drain(engine: LLMEngine) -> dict[str, list]:
+    """Steps until idle; request id -> its deltas."""
+    deltas: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            deltas.setdefault(delta.request_id, []).append(delta)
+    return deltas
+
+
+def test_idle_step_returns_nothing(engine) -> None:
+    assert engine.step() == []
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], GREEDY, "at least one token"),
+        ([1, 2, 5000], GREEDY, "outside \\[0, 1000\\)"),
+        ([1, -1], GREEDY, "outside"),
+        (list(range(3, 10)) * 200, GREEDY, "max_model_len"),
+        ([1, 2], SamplingParams(stop_token_ids=(1000,)), "stop_token_ids"),
+        ([1, 2], SamplingParams(logit_bias={4000: 1.0}), "logit_bias"),
+    ],
+)
+def test_bad_requests_raise_and_change_nothing(engine, prompt, params, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    assert not engine.has_unfinished_requests()
+    engine.add_request("bad", [5, 6], GREEDY)  # the id was not taken
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("bad", [5, 6], GREEDY)
+
+
+def test_deltas_count_tokens_and_end_with_length(engine) -> None:
+    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=6))
+    deltas = _drain(engine)["a"]
+    assert [len(d.new_token_ids) for d in deltas] == [1] * 6
+    assert [d.num_output_tokens for d in deltas] == [1, 2, 3, 4, 5, 6]
+    assert [d.finish_reason for d in deltas] == [None] * 5 + ["length"]
+    assert all(d.num_prompt_tokens == 5 and d.error is None for d in deltas)
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_eos_stops_unless_ignored(engine) -> None:
+    eos = engine.eos_token_ids[0]
+    forced = {eos: 100.0}
+    engine.add_request("stop", [5, 6], SamplingParams(temperature=0.0, logit_bias=forced))
+    engine.add_request(
+        "ignore", [5, 6], SamplingParams(temperature=0.0, max_tokens=3, logit_bias=forced,
+                                         ignore_eos=True)
+    )  # fmt: skip
+    deltas = _drain(engine)
+    assert [d.new_token_ids for d in deltas["stop"]] == [[eos]]
+    assert deltas["stop"][-1].finish_reason == "stop"
+    assert deltas["stop"][-1].stop_token_id == eos
+    assert [d.new_token_ids for d in deltas["ignore"]] == [[eos]] * 3
+    assert deltas["ignore"][-1].finish_reason == "length"
+
+
+def test_logprobs_are_returned_when_asked(engine) -> None:
+    engine.add_request("lp", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2, logprobs=3))
+    engine.add_request("none", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2))
+    deltas = _drain(engine)
+    for delta in deltas["lp"]:
+        (logprob,) = delta.new_logprobs
+        assert logprob.token_id == delta.new_token_ids[0]
+        assert len(logprob.top) == 3 and logprob.top[0][0] == logprob.token_id  # greedy
+        assert logprob.logprob <= 0.0
+    assert all(delta.new_logprobs is None for delta in deltas["none"])
+
+
+def test_abort_frees_blocks_and_reports(engine) -> None:
+    engine.add_request("a", list(range(3, 20)), SamplingParams(max_tokens=50))
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.stats().kv_cache_usage > 0
+    output = engine.abort_request("a")
+    assert output is not None and output.finish_reason == "abort" and output.finished
+    assert engine.abort_request("a") is None
+    assert engine.abort_request("unknown") is None
+    assert engine.stats().num_running == 1
+    engine.abort_request("b")
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+    assert engine.stats().kv_cache_usage == 0.0
+    engine.scheduler.check_integrity()
+
+
+def test_a_failing_step_fails_its_batch_only(engine, monkeypatch) -> None:
+    model = engine.runner.model
+    real_forward = model.forward
+    poison = 999
+
+    def forward(input_ids, *args, **kwargs):
+        if bool((input_ids == poison).any()):
+            raise RuntimeError("simulated kernel failure")
+        return real_forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    engine.add_request("bad", [5, poison, 6], GREEDY)
+    engine.add_request("neighbour", [7, 8], GREEDY)  # in the same first batch
+    outputs = engine.step()
+    assert {o.request_id: o.finish_reason for o in outputs} == {
+        "bad": "error",
+        "neighbour": "error",
+    }
+    assert all("simulated kernel failure" in o.error for o in outputs)
+    assert engine.stats().kv_cache_usage == 0.0
+    engine.scheduler.check_integrity()
+    # The engine goes on: a later request runs to the end.
+    engine.add_request("later", [7, 8], GREEDY)
+    deltas = _drain(engine)
+    assert deltas["later"][-1].finish_reason == "length"
+    assert sum(len(d.new_token_ids) for d in deltas["later"]) == 6
+
+
+def test_stats_count_steps_and_prefix_hits(engine) -> None:
+    prompt = list(range(3, 23))  # 20 tokens: 5 full blocks of 4
+    engine.add_request("first", prompt, GREEDY)
+    _drain(engine)
+    engine.add_request("second", prompt, GREEDY)
+    engine.step()
+    stats = engine.stats()
+    assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries >= stats.prefix_cache_hits
+    assert stats.last_step_num_tokens >= 1 and stats.last_step_seconds > 0
+    assert stats.num_running == 1 and stats.num_waiting == 0
+    _drain(engine)
+
+
+def test_num_threads_is_applied(tiny_llama_dir) -> None:
+    previous = torch.get_num_threads()
+    try:
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=8, num_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)
