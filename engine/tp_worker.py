@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -52,6 +53,10 @@ def spawned_worker_main(
         format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Ctrl-C or a signal to the whole process group is rank 0's to handle: it drains, then
+    # stops this worker with a message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_when_orphaned(parent_pid)
     torch.set_num_threads(num_threads)
     store = connect_loopback_store(store_port, world_size)

@@ -56,10 +56,10 @@ def test_default_model_greedy_text_equal_at_tp1_and_tp2(default_model_dir) -> No
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     prompts = []
     for question in QUESTIONS:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
         )
-        prompts.append(list(ids["input_ids"]) if isinstance(ids, dict) else list(ids))
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
     single = _generate(default_model_dir, 1, prompts)
     sharded = _generate(default_model_dir, 2, prompts)
 
