@@ -53,10 +53,7 @@ def spawned_worker_main(
         format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # Ctrl-C or a signal to the whole process group is rank 0's to handle: it drains, then
-    # stops this worker with a message.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _leave_signals_to_rank0()
     _exit_when_orphaned(parent_pid)
     torch.set_num_threads(num_threads)
     store = connect_loopback_store(store_port, world_size)
@@ -79,6 +76,7 @@ def run_torchrun_worker(config: EngineConfig) -> int:
             config.tensor_parallel_size,
         )
         return 2
+    _leave_signals_to_rank0()
     _exit_when_orphaned(os.getppid())
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     torch.set_num_threads(threads_per_rank(config.num_threads, ranks_here))
@@ -108,6 +106,14 @@ def run_worker(setup: DistributedSetup) -> None:
         num_steps += 1
     logger.info("rank %d stopping after %d steps", setup.parallel.rank, num_steps)
     leave_process_group()
+
+
+def _leave_signals_to_rank0() -> None:
+    """Ctrl-C, or SIGTERM sent to every process (by a terminal, ``timeout``, torchrun's agent), is
+    rank 0's to act on: it drains its requests, then stops this rank with a message. A rank that
+    is never stopped still ends: with its parent, or when rank 0's connection closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
