@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+# Tokens per chunk in sample_from_probs: 49152 tokens -> 192 chunk sums, then 256 tokens.
+CDF_CHUNK = 256
+
 
 def apply_penalties(
     logits: torch.Tensor,
@@ -79,19 +82,43 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: row r gives token i with probability probs[r, i] / sum(probs[r]).
 
-    A uniform number per row picks the token whose cumulative-probability interval holds it.
-    The cumulative sums are float64, so every token keeps its float32 probability (to ~1e-16)
-    and a token of probability 0 (an empty interval) is never returned. One random number per
-    row: a CPU draws a 49152-wide noise vector (an exponential race) ~100x slower than this.
+    One uniform number per row (a CPU draws a 49152-wide noise vector for an exponential race
+    ~100x slower). Two levels, so no [num_rows, vocab_size] float64 tensor is built (on a CPU
+    its fresh pages cost more than the arithmetic): the number picks a chunk of CDF_CHUNK tokens
+    by the float64 CDF of the chunk sums, then, rescaled to that chunk's interval, a token by
+    the float64 CDF inside the chunk. Every token keeps its float32 probability to float
+    precision, and a token of probability 0 (an empty interval) is never returned.
 
-    probs [num_rows, vocab_size] float32; uniform [num_rows] float64 in [0, 1).
+    probs [num_rows, vocab_size] float32, non-negative; uniform [num_rows] float64 in [0, 1).
     Returns [num_rows] int64.
     """
-    cdf = probs.double().cumsum(dim=-1)  # [num_rows, vocab_size]
+    num_rows, vocab_size = probs.shape
+    num_chunks = -(-vocab_size // CDF_CHUNK)
+    if num_chunks * CDF_CHUNK != vocab_size:
+        probs = torch.nn.functional.pad(probs, (0, num_chunks * CDF_CHUNK - vocab_size))
+    chunks = probs.view(num_rows, num_chunks, CDF_CHUNK)
+    chunk_cdf = chunks.sum(dim=-1).double().cumsum(dim=-1)  # [num_rows, num_chunks]
+    chunk_ids, within = _invert_cdf(chunk_cdf, uniform)  # [num_rows] each
+    picked = chunks.gather(1, chunk_ids.view(-1, 1, 1).expand(-1, 1, CDF_CHUNK)).squeeze(1)
+    offsets, _ = _invert_cdf(picked.double().cumsum(dim=-1), within)  # [num_rows]
+    return (chunk_ids * CDF_CHUNK + offsets).clamp_max_(vocab_size - 1)
+
+
+def _invert_cdf(cdf: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row, the interval of ``cdf`` (inclusive prefix sums, float64 [num_rows, n]) that
+    holds ``uniform * total``, and where in it the point lies, as a fraction in [0, 1).
+
+    Example: cdf [0.25, 0.25, 1.0] and uniform 0.5: the point 0.5 lies in [0.25, 1.0), the
+    interval of index 2 (index 1 has an empty interval and is never picked), at 1/3 of it.
+    Returns (index [num_rows] int64, fraction [num_rows] float64).
+    """
     total = cdf[:, -1:]  # [num_rows, 1]
-    # uniform * total can round up to total itself; the target must stay below it.
+    # uniform * total can round up to total itself; the point must stay below it.
     below_total = torch.nextafter(total, torch.zeros_like(total))
-    target = torch.minimum(uniform.unsqueeze(1) * total, below_total)  # [num_rows, 1]
-    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # Only a row without any finite logit (probs all NaN) could land past the end.
-    return token_ids.clamp_max_(probs.shape[-1] - 1)
+    point = torch.minimum(uniform.unsqueeze(1) * total, below_total)  # [num_rows, 1]
+    # Only a row without any finite probability (NaN) could land past the end.
+    index = torch.searchsorted(cdf, point, right=True).clamp_max_(cdf.shape[1] - 1)
+    upper = cdf.gather(1, index)
+    lower = torch.where(index > 0, cdf.gather(1, (index - 1).clamp_min_(0)), 0.0)
+    fraction = ((point - lower) / (upper - lower)).clamp_(0.0, 1.0 - 2**-53)
+    return index.squeeze(1), fraction.squeeze(1)

@@ -232,6 +232,28 @@ def test_sample_from_probs_maps_uniform_numbers_through_the_cdf() -> None:
     ]
 
 
+def test_sample_from_probs_across_chunks_with_a_padded_vocabulary() -> None:
+    # 600 tokens: chunks of 256, 256 and 88 (padded). Intervals: 5 [0, 0.25), 256 [0.25, 0.375),
+    # 300 [0.375, 0.875), 599 [0.875, 1); the other tokens have probability 0.
+    probs = torch.zeros(7, 600)
+    probs[:, [5, 256, 300, 599]] = torch.tensor([0.25, 0.125, 0.5, 0.125])
+    uniform = torch.tensor([0.0, 0.2499, 0.2501, 0.3749, 0.3751, 0.8751, 1 - 2**-53])
+    tokens = sample_from_probs(probs, uniform.double()).tolist()
+    assert tokens == [5, 5, 256, 256, 300, 599, 599]
+
+
+def test_sample_from_probs_agrees_with_a_full_float64_cdf() -> None:
+    """Two-level lookup vs one float64 cumulative sum over the whole row: the same token except
+    where a uniform number falls within float rounding (~1e-7 of a token's edge)."""
+    generator = torch.Generator().manual_seed(6)
+    probs = (torch.randn(1000, 1000, generator=generator) * 3).softmax(dim=-1)
+    uniform = torch.rand(1000, generator=generator, dtype=torch.float64)
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True)
+    mismatches = int((sample_from_probs(probs, uniform) != expected.squeeze(1)).sum())
+    assert mismatches <= 1
+
+
 # --- penalties ------------------------------------------------------------------------------------
 
 
