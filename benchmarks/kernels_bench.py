@@ -81,8 +81,9 @@ def attention_flops(case: AttentionCase) -> int:
 # ----------------------------------------------------------------------------------------- CPU
 
 
-def time_cpu(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Median seconds of ``fn`` after two warm-up calls."""
+def time_cpu(fn: Callable[[], object], repeats: int = 20) -> tuple[float, float]:
+    """(median, fastest) seconds of ``fn`` after two warm-up calls. On a shared machine the fastest
+    run is the one least disturbed by other processes."""
     fn()
     fn()
     times = []
@@ -90,7 +91,7 @@ def time_cpu(fn: Callable[[], object], repeats: int = 20) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
 def matmul_decode_attention(query, key_cache, value_cache, query_start, context_lens,
@@ -128,15 +129,17 @@ def bench_cpu() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         for case in cases:
             args = make_attention_inputs(case, dtype, "cpu")
-            seconds = time_cpu(lambda args=args: ops.paged_attention(*args))
+            seconds, fastest = time_cpu(lambda args=args: ops.paged_attention(*args))
             line = (
-                f"{str(dtype):15} {case.name:38} {seconds * 1e3:8.2f} ms"
-                f"  {attention_bytes(case, dtype) / seconds / 1e9:6.2f} GB/s"
-                f"  {attention_flops(case) / seconds / 1e9:7.1f} GFLOP/s"
+                f"{str(dtype):15} {case.name:36} {seconds * 1e3:7.2f} ms (min {fastest * 1e3:6.2f})"
+                f"  {attention_bytes(case, dtype) / fastest / 1e9:5.2f} GB/s"
+                f"  {attention_flops(case) / fastest / 1e9:6.1f} GFLOP/s at min"
             )
             if all(q_len == 1 for _, q_len in case.rows):
-                variant = time_cpu(lambda args=args: matmul_decode_attention(*args))
-                line += f"  (matmul+softmax variant {variant * 1e3:.2f} ms)"
+                variant, variant_min = time_cpu(lambda args=args: matmul_decode_attention(*args))
+                line += (
+                    f"  | matmul+softmax variant {variant * 1e3:.2f} (min {variant_min * 1e3:.2f})"
+                )
             print(line, flush=True)
     bench_cpu_small_ops(ops)
 
@@ -145,8 +148,10 @@ def bench_cpu_small_ops(ops) -> None:
     shape = SmallOpShape(num_tokens=512, hidden=576, num_heads=9, num_kv_heads=3, head_dim=64)
     for dtype in (torch.bfloat16, torch.float32):
         for name, fn, _ in small_op_calls(ops, shape, dtype, "cpu"):
+            seconds, fastest = time_cpu(fn)
             print(
-                f"{str(dtype):15} {name:22} {shape.num_tokens} tokens {time_cpu(fn) * 1e3:8.3f} ms"
+                f"{str(dtype):15} {name:22} {shape.num_tokens} tokens"
+                f" {seconds * 1e3:7.3f} ms (min {fastest * 1e3:.3f})"
             )
 
 
@@ -259,7 +264,12 @@ def bench_cuda() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="time the PyTorch ops on the CPU")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default: torch's, all cores)"
+    )
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.cpu:
         bench_cpu()
         return 0
