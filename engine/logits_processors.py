@@ -16,10 +16,10 @@ CDF_CHUNK = 256
 def apply_penalties(
     logits: torch.Tensor,
     output_counts: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    presence_penalty: torch.Tensor,
-    frequency_penalty: torch.Tensor,
-    repetition_penalty: torch.Tensor,
+    prompt_mask: torch.Tensor | None,
+    presence_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+    repetition_penalty: torch.Tensor | None,
 ) -> torch.Tensor:
     """Repetition, then frequency and presence penalties.
 
@@ -29,14 +29,24 @@ def apply_penalties(
     ``logit -= frequency * count + presence * (count > 0)``.
 
     output_counts [num_rows, vocab_size] float32: times each token was sampled so far.
-    prompt_mask   [num_rows, vocab_size] bool: the token occurs in the prompt.
+    prompt_mask   [num_rows, vocab_size] bool: the token occurs in the prompt (needed only with a
+                  repetition penalty).
+    Each penalty is [num_rows] float32, or None when no row has it: its passes over the rows are
+    then skipped (each is a full [num_rows, vocab_size] pass).
     """
     output_mask = output_counts > 0  # [num_rows, vocab_size]
-    repetition = repetition_penalty.unsqueeze(1)  # [num_rows, 1]
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(output_mask | prompt_mask, penalised, logits)
-    logits = logits - frequency_penalty.unsqueeze(1) * output_counts
-    return logits - presence_penalty.unsqueeze(1) * output_mask
+    if repetition_penalty is not None:
+        assert prompt_mask is not None, "the repetition penalty reads the prompt"
+        repetition = repetition_penalty.unsqueeze(1)  # [num_rows, 1]
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(output_mask | prompt_mask, penalised, logits)
+    else:
+        logits = logits.clone()
+    if frequency_penalty is not None:
+        logits.addcmul_(output_counts, frequency_penalty.unsqueeze(1), value=-1.0)
+    if presence_penalty is not None:
+        logits.sub_(torch.where(output_mask, presence_penalty.unsqueeze(1), 0.0))
+    return logits
 
 
 def apply_top_k_top_p(

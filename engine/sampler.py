@@ -246,13 +246,17 @@ class Sampler:
             rows = self._rows(penalty_rows, states)
             penalised = [states[i] for i in penalty_rows]
             slots = self._ids([state.penalty_slot for state in penalised])
+            presence = [state.params.presence_penalty for state in penalised]
+            frequency = [state.params.frequency_penalty for state in penalised]
+            repetition = [state.params.repetition_penalty for state in penalised]
+            has_repetition = any(value != 1.0 for value in repetition)
             processed[rows] = apply_penalties(
                 processed[rows],
                 self._penalties.output_counts[slots],
-                self._penalties.prompt_mask[slots],
-                self._floats([state.params.presence_penalty for state in penalised]),
-                self._floats([state.params.frequency_penalty for state in penalised]),
-                self._floats([state.params.repetition_penalty for state in penalised]),
+                self._penalties.prompt_mask[slots] if has_repetition else None,
+                self._floats(presence) if any(presence) else None,
+                self._floats(frequency) if any(frequency) else None,
+                self._floats(repetition) if has_repetition else None,
             )
         greedy_rows = [i for i, state in enumerate(states) if state.greedy]
         if len(greedy_rows) == len(states):

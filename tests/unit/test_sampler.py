@@ -277,6 +277,31 @@ def test_apply_penalties_hand_computed() -> None:
 
 
 @pytest.mark.parametrize(
+    ("presence", "frequency", "repetition", "expected"),
+    [
+        (0.5, None, None, [2.0, -1.0, 0.0, -2.5, 1.0, 3.0]),
+        (None, 0.25, None, [2.0, -1.0, 0.0, -2.25, 1.0, 3.0]),
+        (None, None, 2.0, [1.0, -2.0, 0.25, -4.0, 1.0, 3.0]),
+    ],
+)
+def test_apply_penalties_one_at_a_time(
+    presence: float | None, frequency: float | None, repetition: float | None, expected: list
+) -> None:
+    def as_tensor(value: float | None) -> torch.Tensor | None:
+        return None if value is None else torch.tensor([value])
+
+    result = apply_penalties(
+        torch.tensor([[2.0, -1.0, 0.5, -2.0, 1.0, 3.0]]),
+        torch.tensor([[0.0, 0.0, 2.0, 1.0, 0.0, 0.0]]),
+        torch.tensor([[True, True, False, False, False, False]]),
+        as_tensor(presence),
+        as_tensor(frequency),
+        as_tensor(repetition),
+    )
+    assert torch.allclose(result, torch.tensor([expected]), rtol=0, atol=1e-6), result
+
+
+@pytest.mark.parametrize(
     ("logits", "expected_token"),
     [
         # Positive logits: token 0 (in the prompt) 2.0 / 1.5 = 1.33 falls below token 1's 1.5.
