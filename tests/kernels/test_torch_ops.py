@@ -12,7 +12,8 @@ from kernel_reference import (
     reference_store_kv,
 )
 
-from kernels import KernelInputError, build_cos_sin_cache, get_ops
+from kernels import KernelInputError, build_cos_sin_cache, get_ops, torch_attention
+from kernels.torch_attention import length_groups
 
 ops = get_ops("torch")
 
@@ -28,6 +29,8 @@ BATCHES = {
     "single_token_prompts": [(0, 1), (0, 1), (0, 1)],
     "long_context": [(150, 1), (97, 1), (120, 8)],
     "block_multiple": [(0, 32), (32, 1), (16, 16)],
+    # decode contexts from 1 to 64 blocks: computed in length groups (see the test below)
+    "varied_decodes": [(1000, 1), (3, 1), (19, 1), (300, 1), (999, 1), (0, 1), (0, 4)],
 }
 
 
@@ -53,6 +56,26 @@ def test_paged_attention_block_sizes_and_head_dims(block_size, head_dim):
         dtype=torch.float32, seed=3,
     )  # fmt: skip
     out = ops.paged_attention(*batch.attention_args())
+    torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-5, rtol=0)
+
+
+def test_length_groups_bound_the_padding():
+    assert length_groups([1, 2, 3, 9, 16, 4]) == [[0], [1], [2, 5], [3, 4]]
+    assert length_groups([5, 5, 5]) == [[0, 1, 2]]
+
+
+def test_varied_decode_contexts_run_in_length_groups(monkeypatch):
+    calls = []
+    group = torch_attention._attend_decode_group
+    monkeypatch.setattr(
+        torch_attention, "_attend_decode_group", lambda *args: calls.append(1) or group(*args)
+    )
+    batch = make_ragged_batch(
+        BATCHES["varied_decodes"], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=torch.float32, seed=8,
+    )  # fmt: skip
+    out = ops.paged_attention(*batch.attention_args())
+    assert len(calls) == 4  # 1, 2, 19 and 63 blocks: groups of block counts 1, 2, 17-32, 33-64
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-5, rtol=0)
 
 
