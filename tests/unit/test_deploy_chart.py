@@ -249,6 +249,8 @@ def test_pod_volumes(cpu: dict[str, dict[str, Any]], full: dict[str, dict[str, A
     container = _container(cpu)
     mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
     assert mounts["dshm"] == "/dev/shm"
+    # writable places on a read-only root filesystem: compile caches live under the home folder
+    assert mounts["tmp"] == "/tmp" and mounts["home"] == "/home/splitfuse"
     env = {item["name"]: item["value"] for item in container["env"]}
     assert mounts["model-cache"] == env["SPLITFUSE_CACHE"]
     assert set(mounts) == set(volumes)
