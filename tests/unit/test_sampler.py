@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine.logits_processors import (
+    TOP_P_CANDIDATES,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -199,6 +200,24 @@ def test_top_k_top_p_and_min_p_functions_match_the_reference_on_random_rows() ->
             kept = torch.isfinite(filtered[row])
             assert kept.tolist() == [p > 0 for p in expected]
             assert torch.equal(filtered[row][kept], logits[row][kept])
+
+
+@pytest.mark.parametrize(("scale", "uses_candidates"), [(2.0, True), (4.0, True), (0.1, False)])
+def test_top_p_over_a_large_vocabulary_matches_the_reference(
+    scale: float, uses_candidates: bool
+) -> None:
+    """3000 tokens, more than TOP_P_CANDIDATES: peaked rows are ranked from the candidates alone,
+    flat rows (the candidates hold too little mass) by the full sort. Both keep the same set as
+    the reference."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 3000, generator=generator) * scale
+    top_p = torch.tensor([0.5, 0.85, 0.9])  # candidates hold 0.93 of each row at scale 2
+    candidate_mass = logits.softmax(dim=-1).topk(TOP_P_CANDIDATES).values.sum(dim=-1)
+    assert bool((candidate_mass >= top_p).all()) == uses_candidates
+    filtered = apply_top_k_top_p(logits, None, 3000, top_p)
+    for row in range(3):
+        expected = reference_distribution(logits[row].tolist(), 1.0, 0, float(top_p[row]), 0.0)
+        assert torch.isfinite(filtered[row]).tolist() == [p > 0 for p in expected]
 
 
 def test_top_k_keeps_exactly_k_tokens_among_ties() -> None:
