@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import build_cos_sin_cache, get_ops
+from kernels import build_cos_sin_cache, get_ops, torch_attention
 
 
 @dataclass
@@ -113,6 +113,16 @@ def matmul_decode_attention(query, key_cache, value_cache, query_start, context_
     return torch.matmul(probs, values.transpose(1, 2)).reshape(num_rows, num_heads, head_dim)
 
 
+def one_padded_batch(ops, args: tuple) -> None:
+    """The decode rows in one batch padded to the longest context, without length groups."""
+    saved = torch_attention.MIN_SAVED_POSITIONS
+    torch_attention.MIN_SAVED_POSITIONS = sys.maxsize
+    try:
+        ops.paged_attention(*args)
+    finally:
+        torch_attention.MIN_SAVED_POSITIONS = saved
+
+
 def bench_cpu() -> None:
     ops = get_ops("torch")
     print(f"PyTorch ops on CPU, {torch.get_num_threads()} threads, torch {torch.__version__}")
@@ -120,6 +130,9 @@ def bench_cpu() -> None:
     cases = [
         AttentionCase("decode 64 rows x 512 context", [(511, 1)] * 64, **smollm),
         AttentionCase("decode 16 rows x 2048 context", [(2047, 1)] * 16, **smollm),
+        AttentionCase(
+            "decode 64 rows x 32..2048 context", [(32 * i - 1, 1) for i in range(1, 65)], **smollm
+        ),
         AttentionCase("prompt chunk 512, no cache", [(0, 512)], **smollm),
         AttentionCase("prompt chunk 256 after 256 cached", [(256, 256)], **smollm),
         AttentionCase(
@@ -135,11 +148,14 @@ def bench_cpu() -> None:
                 f"  {attention_bytes(case, dtype) / fastest / 1e9:5.2f} GB/s"
                 f"  {attention_flops(case) / fastest / 1e9:6.1f} GFLOP/s at min"
             )
-            if all(q_len == 1 for _, q_len in case.rows):
-                variant, variant_min = time_cpu(lambda args=args: matmul_decode_attention(*args))
-                line += (
-                    f"  | matmul+softmax variant {variant * 1e3:.2f} (min {variant_min * 1e3:.2f})"
-                )
+            variants = {}
+            if len({cached for cached, q_len in case.rows if q_len == 1}) > 1:
+                variants["one padded batch"] = lambda args=args: one_padded_batch(ops, args)
+            elif all(q_len == 1 for _, q_len in case.rows):
+                variants["matmul+softmax"] = lambda args=args: matmul_decode_attention(*args)
+            for name, variant in variants.items():
+                variant_median, variant_min = time_cpu(variant)
+                line += f"  | {name}: {variant_median * 1e3:.2f} (min {variant_min * 1e3:.2f})"
             print(line, flush=True)
     bench_cpu_small_ops(ops)
 
