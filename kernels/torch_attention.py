@@ -36,8 +36,9 @@ def paged_attention(
 
     Row r owns query tokens ``query_start[r] .. query_start[r + 1] - 1``; its i-th of q_len tokens
     sits at position ``context_lens[r] - q_len + i`` and attends to positions 0 .. that position,
-    whose K/V are already in the cache. Single-token rows (decodes) are computed together in one
-    batched call; rows of several tokens (prompt chunks) one call each.
+    whose K/V are already in the cache. Single-token rows (decodes) are computed together (in
+    length groups); rows of several tokens (prompt chunks) one call each. Row lengths are checked
+    before anything is written.
     """
     check_paged_attention(
         query,
@@ -57,6 +58,9 @@ def paged_attention(
     query_lens = query_start[1:] - query_start[:-1]  # [num_rows]
     decode_rows = (query_lens == 1).nonzero().squeeze(1)  # [num_decode_rows]
     num_decode = decode_rows.numel()
+    capacity = block_tables.shape[1] * key_cache.shape[1]
+    no_prompts = num_decode == context_lens.shape[0]
+    prompt_rows = [] if no_prompts else _prompt_rows(query_start, context_lens, capacity)
     if num_decode:
         rows: torch.Tensor | slice = decode_rows
         tokens: torch.Tensor | slice = query_start[decode_rows]
@@ -66,18 +70,32 @@ def paged_attention(
             query, key_cache, value_cache, tokens, context_lens[rows], block_tables[rows], scale,
             out,
         )  # fmt: skip
-    if max_query_len > 1 or decode_rows.numel() < context_lens.shape[0]:
-        starts, ctx_lens = query_start.tolist(), context_lens.tolist()
-        for row, ctx_len in enumerate(ctx_lens):
-            start, end = starts[row], starts[row + 1]
-            if end - start > 1:
-                _attend_prompt_row(
-                    query[start:end], key_cache, value_cache, ctx_len, block_tables[row], scale,
-                    out[start:end],
-                )  # fmt: skip
-            elif end < start:
-                raise KernelInputError(f"query_start decreases at row {row}: {start} -> {end}")
+    for row, start, end, ctx_len in prompt_rows:
+        _attend_prompt_row(
+            query[start:end], key_cache, value_cache, ctx_len, block_tables[row], scale,
+            out[start:end],
+        )  # fmt: skip
     return out
+
+
+def _prompt_rows(
+    query_start: torch.Tensor, context_lens: torch.Tensor, capacity: int
+) -> list[tuple[int, int, int, int]]:
+    """(row, first token, end token, context_len) of each row of several tokens, checked."""
+    starts, ctx_lens = query_start.tolist(), context_lens.tolist()
+    rows = []
+    for row, ctx_len in enumerate(ctx_lens):
+        start, end = starts[row], starts[row + 1]
+        if end < start:
+            raise KernelInputError(f"query_start decreases at row {row}: {start} -> {end}")
+        if end - start > 1:
+            if not end - start <= ctx_len <= capacity:
+                raise KernelInputError(
+                    f"row {row} of {end - start} query tokens has context_len {ctx_len} "
+                    f"(must be in [{end - start}, {capacity}])"
+                )
+            rows.append((row, start, end, ctx_len))
+    return rows
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -182,11 +200,6 @@ def _attend_prompt_row(
     """One prompt chunk: query i (position ctx_len - q_len + i) sees positions 0 .. its own."""
     q_len = query.shape[0]
     block_size = key_cache.shape[1]
-    if not q_len <= ctx_len <= block_table.shape[0] * block_size:
-        raise KernelInputError(
-            f"a row of {q_len} query tokens has context_len {ctx_len} "
-            f"(must be in [{q_len}, {block_table.shape[0] * block_size}])"
-        )
     block_ids = block_table[: -(-ctx_len // block_size)]
     keys = _gather_blocks(key_cache, block_ids)[:ctx_len].transpose(0, 1)  # [kv, ctx_len, d]
     values = _gather_blocks(value_cache, block_ids)[:ctx_len].transpose(0, 1)

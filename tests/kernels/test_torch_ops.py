@@ -132,6 +132,12 @@ def test_paged_attention_rejects_bad_inputs():
     too_long[0] = batch.block_tables.shape[1] * 16 + 1
     with pytest.raises(KernelInputError, match="context_lens"):
         ops.paged_attention(*args[:4], too_long, *args[5:])
+    too_short = batch.context_lens.clone()
+    too_short[1] = 3  # a row of 4 query tokens
+    out = torch.zeros_like(batch.query)
+    with pytest.raises(KernelInputError, match="row 1 of 4 query tokens has context_len 3"):
+        ops.paged_attention(*args[:4], too_short, *args[5:], out=out)
+    assert not out.any()  # the decode row before it was not written either
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
