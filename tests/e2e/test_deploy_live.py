@@ -80,10 +80,12 @@ def live_server(
     """
     workdir = tmp_path_factory.mktemp("deploy-live")
     config = yaml.safe_load(chart["ConfigMap"]["data"]["config.yaml"])
-    # The tiny model in float32 with a small fixed cache, instead of the default model.
+    # The tiny model in float32 with a small fixed cache, instead of the default model, on this
+    # machine's cores rather than the pod's CPU limit.
     config["engine"].update(
         model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="64MiB", tp=1
     )
+    config["engine"].pop("num_threads", None)
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port = _free_port()

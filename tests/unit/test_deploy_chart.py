@@ -236,6 +236,37 @@ def test_config_file_is_the_server_config(cpu: dict[str, dict[str, Any]]) -> Non
     assert len(annotations["checksum/config"]) == 64  # restarts pods when the config changes
 
 
+@pytest.mark.parametrize("objects_name", ["cpu", "gpu", "full"])
+def test_config_file_loads_as_the_server_config(
+    objects_name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    from server.config import load_config
+
+    objects = request.getfixturevalue(objects_name)
+    path = tmp_path / "config.yaml"
+    path.write_text(objects["ConfigMap"]["data"]["config.yaml"])
+    env = {item["name"]: item["value"] for item in _container(objects)["env"]}
+    config = load_config({}, config_file=str(path), environ=env)
+    assert (config.host, config.port) == ("0.0.0.0", SERVER_PORT)
+    limits = _container(objects)["resources"]["limits"]
+    threads = config.engine.num_threads
+    assert threads is not None
+    assert threads * config.engine.tensor_parallel_size <= int(limits["cpu"])
+    if config.engine.device != "cuda":
+        # a CPU cache is sized in bytes under the container's memory limit
+        assert isinstance(config.engine.kv_cache_memory, int)
+        assert config.engine.kv_cache_memory < _quantity_bytes(limits["memory"]) // 2
+
+
+def _quantity_bytes(quantity: str) -> int:
+    """Kubernetes memory quantities: ``'8Gi'`` -> 8589934592."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) * factor
+    return int(quantity)
+
+
 def test_pod_volumes(cpu: dict[str, dict[str, Any]], full: dict[str, dict[str, Any]]) -> None:
     volumes = {v["name"]: v for v in cpu["Deployment"]["spec"]["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"

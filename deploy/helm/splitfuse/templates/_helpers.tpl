@@ -37,11 +37,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* The server's configuration file; host, port, drain_timeout and engine.tp come from values. */}}
+{{/* The server's configuration file; host, port, drain_timeout and engine.tp come from values,
+engine.num_threads (per tensor-parallel rank) from the CPU limit unless given. */}}
 {{- define "splitfuse.configFile" -}}
 {{- $config := omit .Values.config "host" "port" "drain_timeout" "engine" }}
 {{- $engine := omit (default (dict) .Values.config.engine) "tp" "tensor_parallel_size" }}
 {{- $_ := set $engine "tp" (int .Values.tensorParallelSize) }}
+{{- $cpuLimit := toString (dig "limits" "cpu" "" .Values.resources) }}
+{{- if and (not (hasKey $engine "num_threads")) (regexMatch "^[0-9]+$" $cpuLimit) }}
+{{- $_ := set $engine "num_threads" (max 1 (div (int $cpuLimit) (int .Values.tensorParallelSize))) }}
+{{- end }}
 {{- $_ := set $config "engine" $engine }}
 {{- $_ := set $config "host" "0.0.0.0" }}
 {{- $_ := set $config "port" (int .Values.port) }}
