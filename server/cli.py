@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 # ``func(args) -> int`` as the parser default. Registration imports nothing heavy.
 COMMANDS: dict[str, str] = {
     "serve": "server.serve_command",
+    "bench": "server.bench_command",
     "generate": "server.generate_command",
     "model": "server.model_command",
 }

@@ -248,6 +248,17 @@ def test_drain_finishes_in_flight_and_refuses_new(
     _wait_for(lambda: server.server.should_exit, timeout=10)
 
 
+def test_drain_timeout_cuts_long_requests(start_server: Callable[..., ServerThread]) -> None:
+    server = start_server(drain_timeout=0.3)
+    results: list = []
+    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    _post_in_thread(server.url + "/v1/completions", body, results)
+    _wait_for(lambda: server.state.num_active == 1)
+    server.drain()
+    _wait_for(lambda: server.server.should_exit, timeout=5)
+    _wait_for(lambda: not server.state.engine.engine.has_unfinished_requests(), timeout=10)
+
+
 def test_engine_death_fails_pending_requests(start_server: Callable[..., ServerThread]) -> None:
     engines: list[GatedEngine] = []
     server = start_server(engine_factory=_gated(engines))

@@ -13,9 +13,12 @@ from hypothesis import strategies as st
 
 from server.runner import ServerThread
 
+_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
 _anything = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=8,
 )
 _small_int = st.integers(min_value=-3, max_value=40)

@@ -1,0 +1,106 @@
+"""The server as a real process: SIGTERM drains and exits 0; an engine failure exits non-zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+PYTHON = sys.executable
+SPLITFUSE = [PYTHON, "-m", "server.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_ready(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1]
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("the server did not become ready")
+
+
+def _serve(model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
+    command = [*SPLITFUSE, "serve", str(model_dir), "--port", str(port), "--dtype", "float32",
+               "--kv-cache-memory", "64MiB", "--log-level", "warning", *flags]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_llama_dir: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = _serve(tiny_llama_dir, port, "--drain-timeout", "60")
+    try:
+        _wait_ready(url, process)
+        started = threading.Event()
+        lines: list[str] = []
+
+        def stream() -> None:
+            body = {"prompt": "x", "max_tokens": 100, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    started.set()
+                    if line:
+                        lines.append(line)
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert started.wait(30)
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/readyz").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "y"})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "draining"
+        client.join(60)
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_engine_failure_exits_non_zero(tiny_llama_dir: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    script = Path(__file__).with_name("failing_server.py")
+    root = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [PYTHON, str(script), str(tiny_llama_dir), str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        _wait_ready(url, process)
+        response = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 20})
+        assert response.status_code == 500
+        assert "injected engine failure" in response.json()["error"]["message"]
+        assert process.wait(30) != 0
+        assert b"injected engine failure" in process.communicate()[1]
+    finally:
+        if process.poll() is None:
+            process.kill()
