@@ -7,6 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.splitfuse-installed
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
 .PHONY: install test serve lint typecheck manifests clean
 
@@ -23,6 +24,10 @@ install: $(STAMP)
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Prepares the default model on first use, then listens on 127.0.0.1:8000 (SERVE_ARGS adds flags).
+serve: install
+	$(BIN)/splitfuse serve $(SERVE_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
