@@ -8,7 +8,8 @@
 #
 #   docker run --gpus all -p 8000:8000 splitfuse:0.1.0-cuda                # the default model
 #   docker run --gpus all -p 8000:8000 -v "$PWD/models:/models:ro" splitfuse:0.1.0-cuda \
-#       /models/MODEL_FOLDER --tp 1
+#       /models/MODEL_FOLDER
+#   (tensor-parallel workers share memory through /dev/shm: add --shm-size 1g with --tp N)
 #
 # The install steps are the Makefile's, in the same order and with the same pins (a test compares
 # them and CI runs the CPU variant's steps in a fresh virtual environment); only torch's index
@@ -66,9 +67,8 @@ RUN mkdir -p "$SPLITFUSE_CACHE" \
 
 # ---- runtime: the environment and the model cache, run by an unprivileged user -----------------
 FROM base AS runtime
-ARG UID=10001
-RUN groupadd --system --gid "$UID" splitfuse \
-    && useradd --system --uid "$UID" --gid splitfuse --create-home --home-dir /home/splitfuse \
+RUN groupadd --system --gid 10001 splitfuse \
+    && useradd --system --uid 10001 --gid splitfuse --create-home --home-dir /home/splitfuse \
         --shell /usr/sbin/nologin splitfuse \
     && mkdir -p /models
 COPY --from=build /opt/venv /opt/venv
