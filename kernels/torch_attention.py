@@ -55,6 +55,8 @@ def paged_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if context_lens.shape[0] == 0:
         return out
+    if int(query_start[0]) != 0 or int(query_start[-1]) != query.shape[0]:
+        raise KernelInputError(f"query_start must run from 0 to num_tokens {query.shape[0]}")
     query_lens = query_start[1:] - query_start[:-1]  # [num_rows]
     decode_rows = (query_lens == 1).nonzero().squeeze(1)  # [num_decode_rows]
     num_decode = decode_rows.numel()

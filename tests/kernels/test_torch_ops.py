@@ -132,6 +132,8 @@ def test_paged_attention_rejects_bad_inputs():
     too_long[0] = batch.block_tables.shape[1] * 16 + 1
     with pytest.raises(KernelInputError, match="context_lens"):
         ops.paged_attention(*args[:4], too_long, *args[5:])
+    with pytest.raises(KernelInputError, match="query_start must run from 0 to num_tokens"):
+        ops.paged_attention(args[0][:-1], *args[1:])
     too_short = batch.context_lens.clone()
     too_short[1] = 3  # a row of 4 query tokens
     out = torch.zeros_like(batch.query)
