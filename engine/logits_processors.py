@@ -11,7 +11,7 @@ import torch
 
 # Tokens per chunk in sample_from_probs: 49152 tokens -> 192 chunk sums, then 256 tokens.
 CDF_CHUNK = 256
-# Most likely tokens a CPU tries first for a top-p without a top-k (see _rank_for_top_p).
+# Most likely tokens a CPU tries first for a top-p without a top-k (see _top_p_alone).
 TOP_P_CANDIDATES = 1024
 
 
@@ -58,54 +58,70 @@ def apply_top_k_top_p(
     probability (renormalised after top-k) reaches ``top_p``.
 
     The rows are ranked once: with ``topk(max_k)`` when every row has a top-k (a partial sort,
-    tens of times cheaper than sorting a 49152-token row on a CPU), else as _rank_for_top_p says.
+    tens of times cheaper than sorting a 49152-token row on a CPU), else by _top_p_alone.
     Ties at the k-th logit are broken by that order, so exactly k tokens remain.
 
     top_k [num_rows] int64 in [1, max_k], or None when no row has one (max_k is then ignored).
     top_p [num_rows] float32 in (0, 1] (1: off), or None when no row has one.
     """
-    log_total = None  # log of the probability mass the ranked logits are normalised by
-    if top_k is not None:
-        ranked_logits, ranked_ids = logits.topk(max_k, dim=-1)  # [num_rows, max_k], best first
-        ranks = torch.arange(max_k, device=logits.device)  # [max_k]
-        ranked_logits = ranked_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
-    elif top_p is not None:
-        ranked_logits, ranked_ids, log_total = _rank_for_top_p(logits, top_p)
-    else:
-        return logits.clone()
+    if top_k is None:
+        return logits.clone() if top_p is None else _top_p_alone(logits, top_p)
+    ranked_logits, ranked_ids = logits.topk(max_k, dim=-1)  # [num_rows, max_k], best first
+    ranks = torch.arange(max_k, device=logits.device)  # [max_k]
+    ranked_logits = ranked_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     if top_p is not None:
-        if log_total is None:
-            probs = ranked_logits.softmax(dim=-1)
-        else:
-            probs = (ranked_logits - log_total).exp()
-        # Probability of the tokens ranked above each token: [0.5, 0.3, 0.2] -> [0, 0.5, 0.8].
-        # With top_p = 0.7 the first two stay (0 and 0.5 are below 0.7), the third goes.
-        mass_above = probs.cumsum(dim=-1) - probs
-        # A row with top_p = 1 keeps everything, even where rounding lifts mass_above to 1.
-        drop = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-        ranked_logits = ranked_logits.masked_fill(drop, float("-inf"))
+        ranked_logits = _nucleus(
+            ranked_logits, ranked_logits.logsumexp(dim=-1, keepdim=True), top_p
+        )
+    return _unrank(logits, ranked_ids, ranked_logits)
+
+
+def _top_p_alone(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p without a top-k. On a CPU, where reading a mask back costs nothing and sorting
+    49152 tokens costs about ten topk(1024), a row whose TOP_P_CANDIDATES most likely tokens hold
+    ``top_p`` of its probability is ranked from those alone (every other token is dropped anyway);
+    the other rows, and all rows on GPUs (fast sort; a read-back would be a sync), are sorted."""
+    log_total = logits.logsumexp(dim=-1, keepdim=True)  # [num_rows, 1]
+    if logits.device.type != "cpu" or logits.shape[-1] <= TOP_P_CANDIDATES:
+        ranked_logits, ranked_ids = logits.sort(dim=-1, descending=True)
+        return _unrank(logits, ranked_ids, _nucleus(ranked_logits, log_total, top_p))
+    ranked_logits, ranked_ids = logits.topk(TOP_P_CANDIDATES, dim=-1)
+    enough = (ranked_logits - log_total).exp().sum(dim=-1) >= top_p  # [num_rows] bool
+    result = torch.empty_like(logits)
+    result[enough] = _unrank(
+        logits[enough],
+        ranked_ids[enough],
+        _nucleus(ranked_logits[enough], log_total[enough], top_p[enough]),
+    )
+    short = ~enough
+    if bool(short.any()):
+        rows = logits[short]
+        ranked_logits, ranked_ids = rows.sort(dim=-1, descending=True)
+        result[short] = _unrank(
+            rows, ranked_ids, _nucleus(ranked_logits, log_total[short], top_p[short])
+        )
+    return result
+
+
+def _nucleus(
+    ranked_logits: torch.Tensor, log_total: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf the ranked logits (best first, [num_rows, n]) outside the smallest prefix whose
+    probability, ``exp(logit - log_total)``, reaches ``top_p``. log_total [num_rows, 1]."""
+    probs = (ranked_logits - log_total).exp()
+    # Probability of the tokens ranked above each token: [0.5, 0.3, 0.2] -> [0, 0.5, 0.8].
+    # With top_p = 0.7 the first two stay (0 and 0.5 are below 0.7), the third goes.
+    mass_above = probs.cumsum(dim=-1) - probs
+    # A row with top_p = 1 keeps everything, even where rounding lifts mass_above to 1.
+    drop = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    return ranked_logits.masked_fill(drop, float("-inf"))
+
+
+def _unrank(
+    logits: torch.Tensor, ranked_ids: torch.Tensor, ranked_logits: torch.Tensor
+) -> torch.Tensor:
+    """Back to vocabulary order; tokens left out of the ranking get -inf."""
     return torch.full_like(logits, float("-inf")).scatter_(-1, ranked_ids, ranked_logits)
-
-
-def _rank_for_top_p(
-    logits: torch.Tensor, top_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Rank rows for a top-p without a top-k: (ranked logits, their token ids, the log of the
-    mass they are normalised by, None for the whole row).
-
-    On a CPU, where reading a flag back costs nothing and sorting 49152 tokens costs about ten
-    topk(1024), the TOP_P_CANDIDATES most likely tokens suffice when they hold ``top_p`` of every
-    row: every token outside them is then dropped anyway. Otherwise, and on GPUs (fast sort; a
-    read-back would be a sync), the whole rows are sorted.
-    """
-    if logits.device.type == "cpu" and logits.shape[-1] > TOP_P_CANDIDATES:
-        ranked_logits, ranked_ids = logits.topk(TOP_P_CANDIDATES, dim=-1)
-        log_total = logits.logsumexp(dim=-1, keepdim=True)  # [num_rows, 1]
-        candidate_mass = (ranked_logits - log_total).exp().sum(dim=-1)  # [num_rows]
-        if bool((candidate_mass >= top_p).all()):
-            return ranked_logits, ranked_ids, log_total
-    ranked_logits, ranked_ids = logits.sort(dim=-1, descending=True)
-    return ranked_logits, ranked_ids, None
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -202,22 +202,32 @@ def test_top_k_top_p_and_min_p_functions_match_the_reference_on_random_rows() ->
             assert torch.equal(filtered[row][kept], logits[row][kept])
 
 
-@pytest.mark.parametrize(("scale", "uses_candidates"), [(2.0, True), (4.0, True), (0.1, False)])
+@pytest.mark.parametrize(
+    ("scales", "uses_candidates"),
+    [
+        ((2.0, 4.0, 2.0), [True, True, True]),
+        ((0.1, 0.1, 0.1), [False, False, False]),
+        ((4.0, 0.1, 2.0), [True, False, True]),
+    ],
+)
 def test_top_p_over_a_large_vocabulary_matches_the_reference(
-    scale: float, uses_candidates: bool
+    scales: tuple[float, ...], uses_candidates: list[bool]
 ) -> None:
     """3000 tokens, more than TOP_P_CANDIDATES: peaked rows are ranked from the candidates alone,
-    flat rows (the candidates hold too little mass) by the full sort. Both keep the same set as
-    the reference."""
+    flat rows (the candidates hold too little mass) by the full sort, alone or side by side.
+    Every row keeps the same set as the reference."""
     generator = torch.Generator().manual_seed(7)
-    logits = torch.randn(3, 3000, generator=generator) * scale
-    top_p = torch.tensor([0.5, 0.85, 0.9])  # candidates hold 0.93 of each row at scale 2
+    logits = torch.randn(3, 3000, generator=generator) * torch.tensor(scales).unsqueeze(1)
+    top_p = torch.tensor([0.5, 0.85, 0.9])  # at scale 2 the candidates hold 0.93 of a row
     candidate_mass = logits.softmax(dim=-1).topk(TOP_P_CANDIDATES).values.sum(dim=-1)
-    assert bool((candidate_mass >= top_p).all()) == uses_candidates
+    assert (candidate_mass >= top_p).tolist() == uses_candidates
     filtered = apply_top_k_top_p(logits, None, 3000, top_p)
     for row in range(3):
         expected = reference_distribution(logits[row].tolist(), 1.0, 0, float(top_p[row]), 0.0)
         assert torch.isfinite(filtered[row]).tolist() == [p > 0 for p in expected]
+        assert torch.equal(
+            filtered[row][torch.isfinite(filtered[row])], logits[row][torch.tensor(expected) > 0]
+        )
 
 
 def test_top_k_keeps_exactly_k_tokens_among_ties() -> None:
