@@ -87,6 +87,8 @@ def _top_p_alone(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         return _unrank(logits, ranked_ids, _nucleus(ranked_logits, log_total, top_p))
     ranked_logits, ranked_ids = logits.topk(TOP_P_CANDIDATES, dim=-1)
     enough = (ranked_logits - log_total).exp().sum(dim=-1) >= top_p  # [num_rows] bool
+    if bool(enough.all()):
+        return _unrank(logits, ranked_ids, _nucleus(ranked_logits, log_total, top_p))
     result = torch.empty_like(logits)
     result[enough] = _unrank(
         logits[enough],
@@ -94,12 +96,11 @@ def _top_p_alone(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         _nucleus(ranked_logits[enough], log_total[enough], top_p[enough]),
     )
     short = ~enough
-    if bool(short.any()):
-        rows = logits[short]
-        ranked_logits, ranked_ids = rows.sort(dim=-1, descending=True)
-        result[short] = _unrank(
-            rows, ranked_ids, _nucleus(ranked_logits, log_total[short], top_p[short])
-        )
+    rows = logits[short]
+    ranked_logits, ranked_ids = rows.sort(dim=-1, descending=True)
+    result[short] = _unrank(
+        rows, ranked_ids, _nucleus(ranked_logits, log_total[short], top_p[short])
+    )
     return result
 
 
