@@ -110,7 +110,7 @@ def rms_norm(
     """RMSNorm (see kernels.torch_ops.rms_norm); returns new tensors."""
     check_rms_norm(x, weight, eps, residual)
     _check_device(x)
-    return launch_rms_norm(x, weight.contiguous(), eps, residual)
+    return launch_rms_norm(x, weight, eps, residual)
 
 
 def rotary_embedding(

@@ -20,6 +20,7 @@ def _rms_norm_kernel(
     eps,
     stride_x,
     stride_residual,
+    stride_weight,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -34,7 +35,7 @@ def _rms_norm_kernel(
     hidden_f32 = x.to(tl.float32)
     mean_square = tl.sum(hidden_f32 * hidden_f32, 0) / hidden
     normed = (hidden_f32 * tl.rsqrt(mean_square + eps)).to(x.dtype)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(x.dtype)
+    weight = tl.load(weight_ptr + offs * stride_weight, mask=mask, other=0.0).to(x.dtype)
     result = normed.to(tl.float32) * weight.to(tl.float32)
     tl.store(out_ptr + token * hidden + offs, result.to(x.dtype), mask=mask)
 
@@ -51,7 +52,7 @@ def launch_rms_norm(
     if num_tokens:
         _rms_norm_kernel[(num_tokens,)](
             x, residual if residual is not None else x, weight, out, summed, hidden, eps,
-            x.stride(0), residual.stride(0) if residual is not None else 0,
+            x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
         )  # fmt: skip
     return out if residual is None else (out, summed)
