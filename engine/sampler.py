@@ -8,9 +8,9 @@ Greedy rows (temperature 0) take the argmax after bias, mask and penalties; a ba
 rows is a single argmax. Random rows sample by inverse CDF with one uniform number per row and
 token: a seeded request draws its number from its own generator, so its tokens depend on its seed
 and its logits alone, not on which other requests share the batch; unseeded rows share the
-sampler's generator. Top-k and top-p rank their rows once: a ``topk`` for rows with a top-k, a
-sort for rows with a top-p alone. Logprobs are of the raw logits. Each ``sample`` call makes
-exactly one device-to-host transfer.
+sampler's generator. Top-k and top-p rank their rows once: a ``topk`` for rows with a top-k; for
+a top-p alone, the 1024 most likely tokens on a CPU when they hold top_p, else a sort. Logprobs
+are of the raw logits. Each ``sample`` call makes exactly one device-to-host transfer.
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ class Sampler:
         logits [num_random_rows, vocab_size]; returns [num_random_rows] int64."""
         temperatures = self._floats([state.params.temperature for state in states])
         logits = logits / temperatures.unsqueeze(1)
-        # Rows with a top-k (and maybe a top-p) are ranked by one topk; top-p-only rows by a sort.
+        # Rows with a top-k (and maybe a top-p) are ranked by one topk, top-p-only rows apart.
         top_k_rows = [
             i for i, state in enumerate(states) if 0 < state.params.top_k < self.vocab_size
         ]
