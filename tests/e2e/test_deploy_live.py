@@ -1,11 +1,13 @@
 """The deployment against the real server: ``splitfuse serve`` started from the chart's own config
-file (on the tiny test model), probed on the chart's probe paths, scraped for every metric the
-dashboard and the autoscaler query, then drained with SIGTERM as Kubernetes does."""
+file (on the tiny test model), probed on the chart's probe paths and the image's health check,
+scraped for every metric the dashboard and the autoscaler query, then drained with SIGTERM as
+Kubernetes does."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
 START_TIMEOUT_SECONDS = 120.0
 
 
@@ -148,6 +151,10 @@ def test_probe_paths_answer(live_server: LiveServer, chart: dict[str, dict[str, 
         assert probe["port"] == container["ports"][0]["name"]
         response = httpx.get(live_server.base_url + probe["path"], timeout=10)
         assert response.status_code == 200, (kind, response.text)
+    # the image's HEALTHCHECK
+    (healthcheck,) = re.findall(r"http://127\.0\.0\.1:(\d+)(/\w+)", DOCKERFILE.read_text())
+    assert int(healthcheck[0]) == container["ports"][0]["containerPort"]
+    assert httpx.get(live_server.base_url + healthcheck[1], timeout=10).status_code == 200
     monitor = chart["ServiceMonitor"]["spec"]["endpoints"][0]
     response = httpx.get(live_server.base_url + monitor["path"], timeout=10)
     assert response.status_code == 200
