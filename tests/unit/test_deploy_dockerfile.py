@@ -107,6 +107,8 @@ def _shell_commands(line: str) -> list[list[str]]:
 def makefile_pip_commands() -> list[list[str]]:
     commands = []
     for line in (ROOT / "Makefile").read_text(encoding="utf-8").splitlines():
+        if "-m pip install" not in line:
+            continue
         words = shlex.split(line, comments=True)
         if words[1:4] == ["-m", "pip", "install"]:
             commands.append(words)
