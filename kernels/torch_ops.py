@@ -13,6 +13,7 @@ The attention op lives in kernels.torch_attention.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.checks import (
     KernelInputError,
@@ -61,8 +62,7 @@ def rms_norm(
     """
     check_rms_norm(x, weight, eps, residual)
     summed = x if residual is None else x + residual
-    hidden = summed.float()
-    normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    normed = F.rms_norm(summed.float(), (x.shape[-1],), eps=eps)  # x * rsqrt(mean(x^2) + eps)
     result = normed.to(x.dtype) * weight.to(x.dtype)
     return result if residual is None else (result, summed)
 
@@ -80,7 +80,21 @@ def rotary_embedding(
     # [num_tokens, 1, head_dim]; raises IndexError before any write for a position out of range
     cos_sin = cos_sin_cache.index_select(0, positions)[:, None, :]
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]
-    for x in (query, key):
+    heads = _adjacent_heads(query, key)
+    for x in (query, key) if heads is None else (heads,):
         x1, x2 = x[..., :half].float(), x[..., half:].float()
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         x.copy_(rotated)
+
+
+def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """One [num_tokens, num_heads + num_kv_heads, head_dim] view of query and key when key's heads
+    directly follow query's in one tensor (views of a fused qkv projection), else None."""
+    num_tokens, num_heads, head_dim = query.shape
+    if (
+        key.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()
+        or key.stride() != query.stride()
+        or key.storage_offset() != query.storage_offset() + num_heads * query.stride(1)
+    ):
+        return None
+    return query.as_strided((num_tokens, num_heads + key.shape[1], head_dim), query.stride())

@@ -225,6 +225,22 @@ def test_rotary_embedding_in_place_on_fused_views(dtype, head_dim):
     assert torch.equal(fused[:, num_heads + num_kv_heads :], value_before)
 
 
+@pytest.mark.parametrize("layout", ["separate", "key_before_query"])
+def test_rotary_embedding_on_tensors_that_are_not_adjacent(layout):
+    generator = torch.Generator().manual_seed(6)
+    if layout == "separate":
+        query, key = torch.randn(5, 4, 64, generator=generator), torch.randn(5, 2, 64)
+    else:
+        fused = torch.randn(5, 6, 64, generator=generator)
+        key, query = fused[:, :2], fused[:, 2:]
+    positions = torch.tensor([0, 9, 3, 40, 2])
+    expected_q = reference_rotary(positions, query, 10000.0, 64)
+    expected_k = reference_rotary(positions, key, 10000.0, 64)
+    ops.rotary_embedding(positions, query, key, build_cos_sin_cache(64, 64, 10000.0, None))
+    torch.testing.assert_close(query.double(), expected_q, atol=1e-5, rtol=0)
+    torch.testing.assert_close(key.double(), expected_k, atol=1e-5, rtol=0)
+
+
 def test_rotary_embedding_rejects_bad_inputs_without_writing():
     query, key = torch.randn(2, 4, 64), torch.randn(2, 2, 64)
     cache = build_cos_sin_cache(64, 16, 10000.0, None)
