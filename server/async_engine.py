@@ -102,8 +102,10 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stops the thread after its current step; pending requests end with an error."""
+        """Aborts what is in flight, stops the thread after its current step; pending requests
+        end with an error."""
         with self._cond:
+            self._commands.extend(_Abort(request_id) for request_id in self._queues)
             self._stopping = True
             self._cond.notify()
         if self._thread is not None:
@@ -250,9 +252,10 @@ class AsyncEngine:
                     and not engine.has_unfinished_requests()
                 ):
                     self._cond.wait()
-                if self._stopping:
-                    return
                 commands, self._commands = self._commands, []
+                if self._stopping:
+                    self._apply([c for c in commands if isinstance(c, _Abort)])
+                    return
             outputs = self._apply(commands)
             stepped = False
             if engine.has_unfinished_requests():

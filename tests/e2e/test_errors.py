@@ -301,3 +301,19 @@ def test_a_failed_forward_pass_is_a_500_and_the_server_lives_on(
     assert "injected forward failure" in error["message"]
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}).status_code == 200
     assert httpx.get(server.url + "/livez").status_code == 200
+
+
+def test_a_model_that_fails_to_load_stops_the_server(
+    start_server: Callable[..., ServerThread],
+) -> None:
+    def broken(config: EngineConfig) -> Any:
+        raise FileNotFoundError("no such model folder")
+
+    server = start_server(engine_factory=broken, wait_ready=False)
+    _wait_for(lambda: not server.state.engine.alive)
+    assert httpx.get(server.url + "/livez").status_code == 503
+    assert httpx.get(server.url + "/readyz").status_code == 503
+    error = _assert_error(httpx.post(server.url + "/v1/completions", json={"prompt": "x"}), 500)
+    assert "no such model folder" in error["message"]
+    _wait_for(lambda: server.server.should_exit, timeout=10)
+    assert server.server.exit_code == 1
