@@ -38,14 +38,13 @@ def store_kv(
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     if slot_mapping.numel() == 0:
         return
-    valid = slot_mapping >= 0  # [num_tokens]
-    if bool(valid.all()):
-        slots = slot_mapping
-    else:
-        slots = slot_mapping[valid]
-        key, value = key[valid], value[valid]
-    if slots.numel() and int(slots.max()) >= num_slots:
-        raise KernelInputError(f"slot_mapping holds a slot >= the cache's {num_slots} slots")
+    min_slot, max_slot = (int(slot) for slot in slot_mapping.aminmax())
+    if min_slot < -1 or max_slot >= num_slots:
+        raise KernelInputError(f"slot_mapping must hold -1 or slots in [0, {num_slots})")
+    slots = slot_mapping
+    if min_slot == -1:  # padding tokens
+        valid = slot_mapping >= 0  # [num_tokens]
+        slots, key, value = slot_mapping[valid], key[valid], value[valid]
     # [num_slots, num_kv_heads, head_dim] views of the caches
     key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slots, key)
     value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slots, value)

@@ -161,8 +161,9 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
 def test_store_kv_rejects_bad_inputs_without_writing():
     key = torch.randn(2, 2, 8)
     key_cache, value_cache = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
-    with pytest.raises(KernelInputError, match="slot"):
-        ops.store_kv(key, key, key_cache, value_cache, torch.tensor([1, 12]))
+    for bad_slots in ([1, 12], [-2, 1]):
+        with pytest.raises(KernelInputError, match="slot_mapping must hold -1 or slots"):
+            ops.store_kv(key, key, key_cache, value_cache, torch.tensor(bad_slots))
     assert not key_cache.any() and not value_cache.any()
     with pytest.raises(KernelInputError, match="slot_mapping must be torch.int64"):
         ops.store_kv(key, key, key_cache, value_cache, torch.tensor([1, 2], dtype=torch.int32))
