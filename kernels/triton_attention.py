@@ -3,7 +3,7 @@
 Programs: (query tile, kv head, context split). A query tile holds BLOCK_Q consecutive tokens of one
 row times the GROUP query heads that share the kv head, flattened into BLOCK_M = BLOCK_Q * GROUP
 (padded) rows of one ``tl.dot``; GROUP 3, BLOCK_M 16 -> BLOCK_Q 5, tile row m is token m // 3 of
-the tile and head kv_head * 3 + m % 3 (rows 15 is padding).
+the tile and head kv_head * 3 + m % 3 (row 15 is padding).
 
 Query tiles are numbered across the batch without a host-side table: row r's tiles start at
 ``query_start[r] // BLOCK_Q + r``, which over-counts by at most one tile per row, so the grid has
@@ -11,7 +11,7 @@ Query tiles are numbered across the batch without a host-side table: row r's til
 start and returns at once if the row has fewer tiles.
 
 query_start [0, 4, 5, 8], BLOCK_Q 2 -> tile starts [0, 3, 4] (rows of 4, 1, 3 tokens):
-tiles 0-1 row 0, tile 2 empty, tile 3 row 1, tiles 4-5 row 2; grid 8 // 2 + 3 = 7 tiles.
+tiles 0-1 row 0, tile 3 row 1, tiles 4-5 row 2, tiles 2 and 6 empty; grid 8 // 2 + 3 = 7.
 
 Each program walks the context in tiles of TILE_N positions, looking each position's physical
 block up in the row's block table (any block size), with an online softmax in float32. With
