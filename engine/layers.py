@@ -18,11 +18,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.packed_linear import can_pack, pack_weight, packed_linear
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 
 
 def _shape(loaded: Any) -> tuple[int, ...]:
     return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+
+
+class MatmulLayer(nn.Module):
+    """A layer with a ``weight`` [out_features, in_features] that ``pack_weights()`` can replace
+    by a packed copy once loaded (bfloat16 on a CPU, see ``engine/packed_linear.py``)."""
+
+    weight: nn.Parameter | None
+    packed_weight: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Call after loading: the layer then holds the packed weight alone."""
+        if self.weight is not None and can_pack(self.weight):
+            self.packed_weight = pack_weight(self.weight)
+            self.weight = None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 def _copy_checked(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
@@ -33,7 +53,7 @@ def _copy_checked(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
     param.copy_(value)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(MatmulLayer):
     """``y = x W^T (+ b)`` with W's output features split across ranks; no communication.
 
     ``output_sizes`` lists the fused parts (q/k/v, or gate/up), each split on its own so that a
@@ -85,10 +105,10 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param[offset : offset + size], loaded[start : start + size], "column part")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(MatmulLayer):
     """``y = all_reduce(x_local W_local^T) (+ b)``: W's input features split across ranks; ``x``
     arrives already split (the output of a column-parallel layer)."""
 
@@ -125,7 +145,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param, loaded[:, start : start + self.local_input_size], "row weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(F.linear(x, self.weight))
+        y = self.parallel.all_reduce(self._matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -168,7 +188,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.parallel.all_reduce(embedded)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(MatmulLayer):
     """Logits over the vocabulary split across ranks, gathered to every rank. With tied
     embeddings the weight is the embedding's (same split)."""
 
@@ -194,7 +214,7 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab_size] logits."""
-        logits = self.parallel.all_gather(F.linear(hidden, self.weight))
+        logits = self.parallel.all_gather(self._matmul(hidden))
         return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]
 
 

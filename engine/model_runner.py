@@ -18,6 +18,7 @@ from engine.kv_cache_memory import (
     bytes_per_block,
     num_blocks_for_budget,
 )
+from engine.layers import MatmulLayer
 from engine.model_config import ModelConfig
 from engine.models import MODEL_CLASSES
 from engine.parallel import SINGLE_PROCESS, ParallelContext
@@ -66,6 +67,9 @@ class ModelRunner:
             )
         self.model.load_weights(iterate_weights(model_dir))
         self.model.eval()
+        for module in self.model.modules():
+            if isinstance(module, MatmulLayer):
+                module.pack_weights()  # bfloat16 on a CPU: oneDNN layout, once
         logger.info(
             "loaded %s (%s, %s) in %.1f s",
             model_dir.name,

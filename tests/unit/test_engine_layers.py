@@ -1,0 +1,37 @@
+"""Linear layers: packed bfloat16 weights on CPUs give F.linear's results exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from engine.packed_linear import can_pack
+
+
+@pytest.mark.skipif(not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)), reason="no oneDNN")
+@pytest.mark.parametrize("num_rows", [1, 7, 64, 300])
+def test_packed_layers_match_f_linear(num_rows) -> None:
+    generator = torch.Generator().manual_seed(num_rows)
+    column = ColumnParallelLinear(64, [32, 16, 16], bias=True, dtype=torch.bfloat16)
+    row = RowParallelLinear(64, 48, bias=False, dtype=torch.bfloat16)
+    head = ParallelLMHead(100, 64, dtype=torch.bfloat16)
+    x = torch.randn(num_rows, 64, generator=generator).to(torch.bfloat16)
+    for layer in (column, row, head):
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator))
+        bias = getattr(layer, "bias", None)
+        if bias is not None:
+            with torch.no_grad():
+                bias.copy_(torch.randn(bias.shape, generator=generator))
+        expected = F.linear(x, layer.weight, bias)
+        layer.pack_weights()
+        assert layer.weight is None and layer.packed_weight is not None
+        assert torch.equal(layer(x), expected)
+
+
+def test_float32_is_not_packed() -> None:
+    layer = RowParallelLinear(8, 4, bias=False, dtype=torch.float32)
+    layer.pack_weights()
+    assert layer.weight is not None and layer.packed_weight is None
