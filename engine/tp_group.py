@@ -148,7 +148,8 @@ class TensorParallelGroup:
         self._kill_workers()
         self._wake_writer.send(None)
         self._watchdog.join(STOP_TIMEOUT_SECONDS)
-        if stopped:
+        # after a failure NCCL's teardown may wait on the dead peers; gloo's never does
+        if stopped or dist.get_backend() == "gloo":
             leave_process_group()
 
     def _kill_workers(self) -> None:
@@ -228,14 +229,20 @@ def start_tensor_parallel(
     group = TensorParallelGroup(setup, processes)
     try:
         kwargs = dict(runner_kwargs, device=setup.device)
-        budget = kwargs.get("kv_cache_memory")
-        if device.type == "cpu" and isinstance(budget, float) and budget < 1:
-            # ranks on one machine share its memory: each takes its part of the fraction
-            kwargs["kv_cache_memory"] = budget / ranks_here
+        budget = kwargs["kv_cache_memory"]
+        if device.type == "cpu":
+            # the ranks on a machine share its memory: each takes its part of the budget (a
+            # fraction of free memory, or bytes); a GPU rank has its device to itself
+            is_fraction = isinstance(budget, float) and budget < 1
+            kwargs["kv_cache_memory"] = (
+                budget / ranks_here if is_fraction else max(1, int(budget) // ranks_here)
+            )
         shared = {name: value for name, value in kwargs.items() if name != "device"}
         dist.broadcast_object_list([shared], src=0, group=setup.control_group)
         runner = TensorParallelRunner(group, **kwargs)
-    except BaseException:
+    except BaseException as error:
+        # the workers may be waiting in a collective rank 0 never reaches: stop them at once
+        group.fail(f"rank 0 failed to start: {type(error).__name__}: {error}")
         group.shutdown()
         raise
     logger.info(

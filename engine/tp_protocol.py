@@ -9,7 +9,7 @@ input back to back. The other ranks never see a request or the scheduler.
             ++ query_start [num_rows + 1] ++ context_lens [num_rows]
             ++ block_tables [num_rows * max_blocks] ++ sample_rows [num_sampled]
 
-A 3-row step of 6 tokens with 2-block tables and 2 sampling rows sends 7 + 27 integers.
+A 3-row step of 6 tokens with 2-block tables and 2 sampling rows sends 7 + 33 integers.
 """
 
 from __future__ import annotations
