@@ -58,11 +58,12 @@ class LLMEngine:
         backend = resolve_attention_backend(config.attention_backend, device)
         model_config = ModelConfig.from_dir(model_dir)
         check_tensor_parallel(model_config, config.tensor_parallel_size)
-        max_model_len = config.max_model_len or model_config.max_position_embeddings
-        if max_model_len > model_config.max_position_embeddings:
+        max_model_len = config.max_model_len or model_config.max_context_len
+        if max_model_len > model_config.max_context_len:
             raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings})"
+                f"max_model_len {max_model_len} exceeds the model's context of "
+                f"{model_config.max_context_len} tokens (max_position_embeddings, or the "
+                "sliding window, which this engine does not apply)"
             )
         self.config = config.model_copy(
             update={
@@ -77,7 +78,8 @@ class LLMEngine:
         self.model_name = DEFAULT_MODEL if config.model == DEFAULT_MODEL else model_dir.name
         self.max_model_len = max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
-        tokenizer_eos = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id else ()
+        eos_id = self.tokenizer.eos_token_id
+        tokenizer_eos = (eos_id,) if eos_id is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys(model_config.eos_token_ids + tokenizer_eos)
         )

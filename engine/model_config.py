@@ -39,6 +39,16 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Mistral-style sliding-window attention, when the model uses it (None: full attention)
+    sliding_window: int | None = None
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context this engine runs exactly: full attention is computed, so a
+        sliding-window model is limited to its window."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -108,7 +118,16 @@ class ModelConfig:
             or bool(raw.get("attention_bias", False)),
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             bos_token_id=raw.get("bos_token_id"),
+            sliding_window=_sliding_window(raw),
         )
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """Qwen2 configs carry a window that applies only with ``use_sliding_window``."""
+    window = raw.get("sliding_window")
+    if window is None or raw.get("use_sliding_window", True) is False:
+        return None
+    return int(window)
 
 
 def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:

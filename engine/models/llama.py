@@ -2,8 +2,9 @@
 
 One ragged forward: every row's tokens are flattened into ``[num_tokens]`` (see
 ``engine/input_builder.py``); attention reads each row's context through its block table, so a
-prompt chunk and a decode token are the same case. Qwen2 differs only by its q/k/v bias; Mistral's
-sliding window is not applied (its released models use full attention up to their context).
+prompt chunk and a decode token are the same case. Qwen2 differs only by its q/k/v bias. Attention
+is always full: a sliding-window model is limited to contexts within its window (see
+``ModelConfig.max_context_len``), where the two agree.
 
     embed -> [RMSNorm -> QKV -> rotary -> store K/V -> paged attention -> o_proj
               -> RMSNorm -> gate_up -> SiLU * up -> down] x num_layers

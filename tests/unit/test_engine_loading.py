@@ -266,3 +266,11 @@ def test_prepare_is_idempotent_and_atomic(tmp_path, monkeypatch) -> None:
     # a .gguf path resolves to a folder prepared under the file's stem
     monkeypatch.setattr(resolver, "convert_gguf", fake_convert)
     assert resolver.resolve_model(str(gguf)) == target.parent / "model"
+
+
+def test_sliding_window_limits_the_context() -> None:
+    mistral = {**BASE, "architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768}
+    assert ModelConfig.from_dict({**mistral, "sliding_window": 4096}).max_context_len == 4096
+    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).max_context_len == 32768
+    qwen = {**mistral, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
+    assert ModelConfig.from_dict({**qwen, "use_sliding_window": False}).max_context_len == 32768
