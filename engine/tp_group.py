@@ -205,6 +205,8 @@ def start_tensor_parallel(
     them ``runner_kwargs`` (``ModelRunner`` arguments) and builds rank 0's runner. Every rank
     loads only its shard."""
     device: torch.device = runner_kwargs["device"]
+    if dist.is_initialized():
+        raise RuntimeError("this process already runs a tensor-parallel engine; shut it down first")
     env = torchrun_environment()
     processes: list[BaseProcess] = []
     if env is not None:

@@ -1,6 +1,11 @@
-"""A tensor-parallel worker killed mid-generation: ``splitfuse serve --tp 2`` on a tiny model ends
-the streaming request with an error within seconds, reports dead on ``/livez``, exits non-zero,
-and leaves no process behind."""
+"""Tensor-parallel faults.
+
+1. A worker killed mid-generation: ``splitfuse serve --tp 2`` on a tiny model ends the streaming
+   request with an error within seconds, reports dead on ``/livez``, exits non-zero, and leaves no
+   process behind.
+2. Rank 0 failing to load its shard stops the workers at once (they would otherwise wait in a
+   collective rank 0 never reaches).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from tests.tiny_model import make_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 180.0
@@ -144,3 +153,24 @@ def test_killed_worker_fails_requests_and_leaves_no_process(server) -> None:
         f"request failed {failed_after:.2f} s after the kill; exit code {process.returncode}; "
         f"{len(descendants)} descendant processes gone"
     )
+
+
+def _spawned_children() -> list[int]:
+    return [pid for pid in _descendants(os.getpid()) if "spawn_main" in _cmdline(pid)]
+
+
+def test_a_load_failure_stops_the_workers(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_tiny_model(tmp_path, "llama")
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="down_proj"):
+        LLMEngine(
+            EngineConfig(
+                model=str(model_dir), dtype="float32", device="cpu", num_kv_blocks=32, tp=2
+            )
+        )
+    left = [pid for pid in _spawned_children() if _alive(pid)]
+    assert not left, [(pid, _cmdline(pid)) for pid in left]
