@@ -43,6 +43,7 @@ def register(subparsers: Any) -> None:
     add("--dtype", default="auto", help="engine dtype for --offline")
     add("--max-batch-tokens", type=int, default=512, help="engine budget for --offline")
     add("--kv-cache-memory", default="0.3", help="engine KV cache for --offline")
+    add("--num-threads", type=int, help="engine CPU threads for --offline (default: all cores)")
     parser.set_defaults(func=run)
 
 
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 max_batch_tokens=args.max_batch_tokens,
                 kv_cache_memory=args.kv_cache_memory,
+                num_threads=args.num_threads,
             )
         )
         if args.warmup:

@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from engine.outputs import RequestOutput, TokenLogprob
@@ -60,8 +59,8 @@ class _Choice:
 
 
 class Generation:
-    """Submits the requests at construction; iterate it once for the deltas; ``close()`` aborts
-    whatever has not finished (a client disconnect)."""
+    """Submits the requests at construction; ``next_deltas()`` until it returns []; ``close()``
+    aborts whatever has not finished (a client disconnect)."""
 
     def __init__(
         self,
@@ -137,14 +136,6 @@ class Generation:
             self.close()
             raise self.error
         return deltas
-
-    async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
-        try:
-            while deltas := await self.next_deltas():
-                for delta in deltas:
-                    yield delta
-        finally:
-            self.close()
 
     def _process(self, output: RequestOutput) -> ChoiceDelta | None:
         choice = self._choices.get(output.request_id)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from scheduler.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.errors import APIError, sampling_error, validation_error
@@ -124,7 +125,7 @@ class ServerState:
         id_prefix: str,
         prompts: list[list[int]],
         n: int,
-        params: Any,
+        params: SamplingParams,
     ) -> tuple[Generation, list[ChoiceDelta]]:
         """Submits the generation and waits for its first deltas. Raises APIError (429, 400,
         500) or ClientDisconnected (after aborting)."""
