@@ -1,4 +1,4 @@
-"""Compile every Triton kernel for a CUDA target (sm_90) down to a cubin, with no GPU present.
+"""Compile every Triton kernel for CUDA targets (sm_80, sm_90) down to cubins, with no GPU present.
 
 The interpreter accepts code that the compiler rejects (loop-carried types, dot shapes, constexpr
 misuse); this catches those on a CPU-only machine. Run without TRITON_INTERPRET:
@@ -19,7 +19,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import triton_attention, triton_rms_norm, triton_rotary, triton_store_kv  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
+TARGETS = (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32))
 
 
 def signature(kernel, pointer_types: dict[str, str], scalar_types: dict[str, str]) -> dict:
@@ -37,10 +37,11 @@ def signature(kernel, pointer_types: dict[str, str], scalar_types: dict[str, str
 
 def compile_kernel(kernel, pointer_types, constexprs, scalar_types=None) -> None:
     types = signature(kernel, pointer_types, scalar_types or {})
-    source = ASTSource(fn=kernel, signature=types, constexprs=constexprs)
-    compiled = triton.compile(source, target=TARGET)
-    assert compiled.asm.get("cubin"), f"no cubin for {kernel.__name__}"
-    print(f"compiled {kernel.__name__} {constexprs}", flush=True)
+    for target in TARGETS:
+        source = ASTSource(fn=kernel, signature=types, constexprs=constexprs)
+        compiled = triton.compile(source, target=target)
+        assert compiled.asm.get("cubin"), f"no cubin for {kernel.__name__}"
+        print(f"compiled {kernel.__name__} sm_{target.arch} {constexprs}", flush=True)
 
 
 def attention(dtype: str, group: int, head_dim: int, block_m: int, num_splits: int) -> None:
