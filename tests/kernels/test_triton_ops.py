@@ -88,7 +88,9 @@ def test_attention_head_dims_and_block_sizes(head_dim, block_size):
 
 
 @pytest.mark.parametrize(
-    ("num_splits", "dtype"), [(2, torch.float32), (2, torch.bfloat16), (8, torch.float32)]
+    ("num_splits", "dtype"),
+    [(2, torch.float32), (2, torch.bfloat16), (8, torch.float32)],
+    ids=["2-float32", "2-bfloat16", "8-float32"],
 )
 def test_attention_split_context_matches(num_splits, dtype):
     """Flash-decoding path: with 8 splits and short rows, some splits are empty."""
