@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 STARTUP_POLL_SECONDS = 0.05
 STOP_TIMEOUT_SECONDS = 10.0
+# how long a failed step waits for a worker's exit to explain the failure
+DEATH_GRACE_SECONDS = 0.5
 
 
 class TensorParallelError(RuntimeError):
@@ -107,23 +109,27 @@ class TensorParallelGroup:
             try:
                 yield
             except BaseException as error:
-                self.fail(f"a tensor-parallel step failed: {type(error).__name__}: {error}")
-                raise
+                # a peer's death usually shows first as a connection error: name the peer
+                dead = self._dead_worker_message(DEATH_GRACE_SECONDS)
+                self.fail(dead or f"a tensor-parallel step failed: {type(error).__name__}: {error}")
+                if not isinstance(error, Exception):
+                    raise  # KeyboardInterrupt, SystemExit
+                raise TensorParallelError(self.failure or str(error)) from error
 
     def fail(self, message: str) -> None:
-        """Records the first failure, kills the workers and tells the listeners."""
+        """Records the first failure, tells the listeners and kills the workers."""
         with self._state_lock:
             if self.failure is not None or self._closing:
                 return
             self.failure = message
             listeners, self._listeners = self._listeners, []
         logger.error("%s; stopping the tensor-parallel workers", message)
-        self._kill_workers()
         for listener in listeners:
             try:
                 listener(message)
             except Exception:  # noqa: BLE001 - one listener must not stop the others
                 logger.exception("a tensor-parallel failure listener raised")
+        self._kill_workers()
 
     def shutdown(self) -> None:
         """Stops the workers (a stop message, then a kill after a grace period) and leaves the
@@ -160,15 +166,25 @@ class TensorParallelGroup:
             process.join(STOP_TIMEOUT_SECONDS)
 
     def _watch(self) -> None:
+        message = self._dead_worker_message(None, self._wake_reader)
+        if message is not None:
+            self.fail(message)
+
+    def _dead_worker_message(self, timeout: float | None, *also: Any) -> str | None:
+        """Waits up to ``timeout`` seconds (None: for ever) for a worker to exit, or for one of
+        ``also`` to be ready; describes the first worker found dead."""
         sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, 1)}
-        ready = wait([*sentinels, self._wake_reader])
+        ready = wait([*sentinels, *also], timeout)
         dead = [sentinels[handle] for handle in ready if handle in sentinels]
         if not dead:
-            return
+            return None
         rank = min(dead)
         process = self.processes[rank - 1]
-        process.join(STOP_TIMEOUT_SECONDS)
-        self.fail(
+        # another thread may be reaping it at this moment: its exit code appears shortly
+        deadline = time.monotonic() + 1.0
+        while process.exitcode is None and time.monotonic() < deadline:
+            process.join(0.05)
+        return (
             f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code "
             f"{process.exitcode}"
         )

@@ -133,7 +133,7 @@ def test_killed_worker_fails_requests_and_leaves_no_process(server) -> None:
     assert killed_at is not None, f"the stream ended before the kill: {events}"
     failed_after = time.monotonic() - killed_at
     assert "error" in events[-1], events[-1]
-    assert "tensor-parallel" in events[-1]["error"]["message"]
+    assert "tensor-parallel worker rank 1" in events[-1]["error"]["message"], events[-1]
     assert failed_after < FAIL_TIMEOUT, failed_after
     generated = sum(len(event["choices"][0]["text"]) > 0 for event in events[:-1])
     assert generated < 900, "the request ran to completion despite the dead worker"
