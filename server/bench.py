@@ -11,6 +11,7 @@ Latencies per request (streamed):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 
 PERCENTILES = (50, 90, 99)
+_OFFLINE_RUNS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,7 @@ def run_offline(engine: Any, workload: Workload) -> dict[str, Any]:
     )
     prompts = workload.prompts()
     limit = workload.concurrency or len(prompts)
+    run_id = next(_OFFLINE_RUNS)  # ids stay unique across runs on one engine
     results: dict[str, RequestResult] = {}
     starts: dict[str, float] = {}
     lasts: dict[str, float] = {}
@@ -209,7 +212,7 @@ def run_offline(engine: Any, workload: Workload) -> dict[str, Any]:
     start = time.perf_counter()
     while next_index < len(prompts) or engine.has_unfinished_requests():
         while num_in_flight < limit and next_index < len(prompts):
-            request_id = f"bench-{next_index}"
+            request_id = f"bench-{run_id}-{next_index}"
             engine.add_request(request_id, prompts[next_index], params)
             results[request_id] = RequestResult(ok=False, num_prompt_tokens=workload.input_len)
             starts[request_id] = time.perf_counter()

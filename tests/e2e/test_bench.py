@@ -43,7 +43,7 @@ def test_bench_offline(tiny_llama_dir: Path, tmp_path: Path) -> None:
     code = main(
         ["bench", "--offline", str(tiny_llama_dir), "--dtype", "float32", "--kv-cache-memory",
          "64MiB", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
-         "--concurrency", "2", "--vocab-size", "1000", "--warmup", "0", "--output", str(output)]
+         "--concurrency", "2", "--vocab-size", "1000", "--warmup", "2", "--output", str(output)]
     )  # fmt: skip
     assert code == 0
     summary = json.loads(output.read_text())
