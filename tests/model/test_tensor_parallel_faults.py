@@ -3,7 +3,8 @@
 1. A worker killed mid-generation: ``splitfuse serve --tp 2`` on a tiny model ends the streaming
    request with an error within seconds, reports dead on ``/livez``, exits non-zero, and leaves no
    process behind.
-2. Rank 0 failing to load its shard stops the workers at once (they would otherwise wait in a
+2. Rank 0 killed (SIGKILL, no clean-up): its workers exit on their own.
+3. Rank 0 failing to load its shard stops the workers at once (they would otherwise wait in a
    collective rank 0 never reaches).
 """
 
@@ -153,6 +154,20 @@ def test_killed_worker_fails_requests_and_leaves_no_process(server) -> None:
         f"request failed {failed_after:.2f} s after the kill; exit code {process.returncode}; "
         f"{len(descendants)} descendant processes gone"
     )
+
+
+def test_workers_exit_when_rank0_is_killed(server) -> None:
+    process, base_url, log_path, descendants = server
+    _wait_ready(process, base_url, log_path)
+    descendants.extend(_descendants(process.pid))
+    assert any("spawn_main" in _cmdline(pid) for pid in descendants), descendants
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 10.0
+    while any(_alive(pid) for pid in descendants) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [(pid, _cmdline(pid)) for pid in descendants if _alive(pid)]
+    assert not left, f"orphaned processes: {left}"
 
 
 def _spawned_children() -> list[int]:
