@@ -29,7 +29,7 @@ from server.config import ServerConfig
 from server.errors import APIError, error_body, validation_error
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
 from server.serving import ClientDisconnected, ServerState, read_body
 
 logger = logging.getLogger("splitfuse.server")
@@ -162,10 +162,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if body.prompt is not None:
             tokens = token_text.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            messages = [
-                {"role": m.role, "content": m.content if isinstance(m.content, str) else ""}
-                for m in body.messages or []
-            ]
+            messages = template_messages(body.messages or [])
             try:
                 tokens = token_text.apply_chat_template(messages, body.add_generation_prompt)
             except Exception as error:  # template errors are the caller's

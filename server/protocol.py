@@ -239,19 +239,23 @@ class ChatCompletionRequest(_SamplingFields):
             )
 
     def template_messages(self) -> list[dict[str, str]]:
-        """Messages as chat-template dicts: text parts joined, ``developer`` as ``system``."""
-        out = []
-        for message in self.messages:
-            if isinstance(message.content, list):
-                text = "".join(part.text for part in message.content if isinstance(part, TextPart))
-            else:
-                text = message.content or ""
-            role = "system" if message.role == "developer" else message.role
-            item = {"role": role, "content": text}
-            if message.name:
-                item["name"] = message.name
-            out.append(item)
-        return out
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as chat-template dicts: text parts joined, ``developer`` as ``system``."""
+    out = []
+    for message in messages:
+        if isinstance(message.content, list):
+            text = "".join(part.text for part in message.content if isinstance(part, TextPart))
+        else:
+            text = message.content or ""
+        role = "system" if message.role == "developer" else message.role
+        item = {"role": role, "content": text}
+        if message.name:
+            item["name"] = message.name
+        out.append(item)
+    return out
 
 
 class TokenizeRequest(_Body):

@@ -39,7 +39,7 @@ class FakeEngine:
         fail_at_step: int | None = None,
         max_model_len: int = 256,
     ) -> None:
-        from tiny_model import make_tokenizer
+        from tests.tiny_model import make_tokenizer
 
         self.config = config
         self.tokenizer = make_tokenizer()
