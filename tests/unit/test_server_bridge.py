@@ -54,6 +54,7 @@ class FakeEngine:
         self.caller_threads: set[int] = set()
         self.requests: dict[str, _FakeRequest] = {}
         self.aborted: list[str] = []
+        self.abort_steps: list[int] = []  # num_steps when each abort arrived
 
     @staticmethod
     def next_token(token_ids: list[int]) -> int:
@@ -84,6 +85,7 @@ class FakeEngine:
         if request is None:
             return None
         self.aborted.append(request_id)
+        self.abort_steps.append(self.num_steps)
         self.num_free_blocks += request.num_blocks
         return RequestOutput(request_id, finish_reason="abort")
 
@@ -181,14 +183,18 @@ def test_closing_the_stream_aborts_and_frees_blocks() -> None:
         stream = bridge.generate("r1", [5, 6], params)
         await stream.__anext__()
         await stream.aclose()
+        closed_at_step.append(engine.num_steps)
         for _ in range(200):
             if not engine.requests:
                 break
             await asyncio.sleep(0.01)
         bridge.stop()
 
+    closed_at_step: list[int] = []
     _run(main())
     assert engine.aborted == ["r1"]
+    # Aborted before the engine's next step (the step running at close may still finish).
+    assert engine.abort_steps[0] <= closed_at_step[0] + 1
     assert engine.num_free_blocks == engine.num_kv_blocks
 
 
