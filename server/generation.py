@@ -115,27 +115,21 @@ class Generation:
     def num_output_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self._choices.values())
 
-    @property
-    def first_output_seen(self) -> bool:
-        return any(c.first_output_time is not None for c in self._choices.values())
-
     async def next_deltas(self) -> list[ChoiceDelta]:
         """The deltas of the next engine output(s); [] once every choice has finished.
         Raises ``GenerationError`` when the engine fails or refuses the request."""
-        if self._num_unfinished == 0:
-            return []
-        outputs = [await self._queue.get()]
-        while not self._queue.empty():
-            outputs.append(self._queue.get_nowait())
-        deltas = []
-        for output in outputs:
-            delta = self._process(output)
-            if delta is not None:
-                deltas.append(delta)
-        if self.error is not None:
-            self.close()
-            raise self.error
-        return deltas
+        while self._num_unfinished > 0:
+            outputs = [await self._queue.get()]
+            while not self._queue.empty():
+                outputs.append(self._queue.get_nowait())
+            deltas = [d for d in map(self._process, outputs) if d is not None]
+            if self.error is not None:
+                self.close()
+                raise self.error
+            if deltas:
+                return deltas
+            # Only outputs of choices already ended by a stop string: wait for the others.
+        return []
 
     def _process(self, output: RequestOutput) -> ChoiceDelta | None:
         choice = self._choices.get(output.request_id)
