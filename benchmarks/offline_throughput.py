@@ -112,6 +112,65 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict
     }
 
 
+def profile_steps(args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    """Where a decode step's time goes, at one request and at all of them: the medians of the
+    step's parts (schedule, input tensors, forward, sampling, update), then torch.profiler's
+    operators by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import LLMEngine
+    from engine.config import EngineConfig
+    from engine.input_builder import build_model_input
+    from scheduler.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
+    for num_requests in sorted({1, len(prompts)}):
+        engine = LLMEngine(
+            EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                max_batch_tokens=args.max_batch_tokens,
+                max_batch_seqs=max(num_requests, 1),
+                kv_cache_memory=args.kv_cache_memory,
+            )
+        )
+        for index, prompt in enumerate(prompts[:num_requests]):
+            engine.add_request(str(index), prompt, params)
+        engine.step()
+        while engine.stats().last_step_num_tokens != num_requests:
+            engine.step()  # until every request decodes
+        scheduler, runner = engine.scheduler, engine.runner
+        parts: dict[str, list[float]] = {
+            name: [] for name in ("schedule", "inputs", "forward", "sample", "update", "step")
+        }
+        for _ in range(10):
+            t0 = time.perf_counter()
+            batch = scheduler.schedule()
+            t1 = time.perf_counter()
+            inputs = build_model_input(batch, runner.block_size, runner.device)
+            t2 = time.perf_counter()
+            logits = runner.model(
+                inputs.input_ids, inputs.positions, inputs.metadata, runner.kv_cache,
+                inputs.sample_rows,
+            )  # fmt: skip
+            t3 = time.perf_counter()
+            sampled = runner.sampler.sample(logits, batch.sample_request_ids)
+            t4 = time.perf_counter()
+            scheduler.update(batch, sampled.token_ids)
+            t5 = time.perf_counter()
+            for name, seconds in zip(
+                parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0), strict=True
+            ):
+                parts[name].append(seconds * 1e3)
+        medians = ", ".join(f"{name} {statistics.median(v):.2f}" for name, v in parts.items())
+        print(f"\ndecode step, {num_requests} rows (median ms): {medians}")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                engine.step()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -125,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile decode steps instead of the comparison"
+    )
     args = parser.parse_args(argv)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -139,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         f"output) tokens, {args.dtype}, {torch.get_num_threads()} threads",
         file=sys.stderr,
     )
+    if args.profile:
+        profile_steps(args, prompts)
+        return 0
     ours = run_splitfuse(args, prompts)
+    print(f"splitfuse: {ours}", file=sys.stderr, flush=True)
     theirs = None if args.skip_transformers else run_transformers(args, prompts)
+    print(f"transformers: {theirs}", file=sys.stderr, flush=True)
 
     print(f"{'':28}{'splitfuse':>12}{'transformers':>14}{'ratio':>8}")
     rows = [
