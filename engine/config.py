@@ -38,9 +38,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    model: str = Field(
-        DEFAULT_MODEL, description="model folder, or the name of a prepared model"
-    )
+    model: str = Field(DEFAULT_MODEL, description="model folder, or the name of a prepared model")
     tokenizer: str | None = Field(None, description="tokenizer folder (default: the model's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

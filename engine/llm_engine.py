@@ -249,4 +249,7 @@ def _output(
         num_output_tokens=request.num_output_tokens,
         stop_token_id=request.stop_token_id,
         error=error,
+        queue_seconds=None
+        if request.first_scheduled_time is None
+        else request.first_scheduled_time - request.arrival_time,
     )

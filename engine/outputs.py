@@ -21,7 +21,8 @@ class RequestOutput:
 
     ``finish_reason`` is None while the request runs, then one of "stop", "length", "abort",
     "error" (``error`` then says what failed). Logprobs, when the request asked for them, are
-    aligned with ``new_token_ids``.
+    aligned with ``new_token_ids``. ``queue_seconds`` is the time from the request's arrival to its
+    first scheduling (None until it was scheduled).
     """
 
     request_id: str
@@ -33,6 +34,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     stop_token_id: int | None = None
     error: str | None = None
+    queue_seconds: float | None = None
 
     @property
     def finished(self) -> bool:

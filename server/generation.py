@@ -52,7 +52,7 @@ class _Choice:
     text: SequenceText
     num_output_tokens: int = 0
     finish_reason: str | None = None
-    first_output_time: float | None = None
+    queue_seconds: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     token_gaps: list[float] = field(default_factory=list)
@@ -136,8 +136,8 @@ class Generation:
         if choice is None or choice.finish_reason is not None:
             return None  # output after a stop-string abort
         now = time.monotonic()
-        if choice.first_output_time is None:
-            choice.first_output_time = now
+        if output.queue_seconds is not None:
+            choice.queue_seconds = output.queue_seconds
         if output.finish_reason == "error":
             status = 400 if isinstance(output, RejectedOutput) else 500
             self.error = GenerationError(status, output.error or "the engine failed")
@@ -181,9 +181,7 @@ class Generation:
                 None
                 if choice.first_token_time is None
                 else choice.first_token_time - self.arrival_time,
-                None
-                if choice.first_output_time is None
-                else choice.first_output_time - self.arrival_time,
+                choice.queue_seconds,
                 choice.token_gaps,
             )
         if self._num_unfinished == 0:

@@ -76,7 +76,7 @@ class ServerMetrics:
         )
         self.request_queue_time = Histogram(
             "splitfuse_request_queue_time_seconds",
-            "Arrival to the first engine output (waiting and prompt processing)",
+            "Arrival to the first scheduling of the request (time spent waiting)",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -140,7 +140,7 @@ class ServerMetrics:
         num_output_tokens: int,
         e2e_seconds: float,
         first_token_seconds: float | None,
-        first_output_seconds: float | None,
+        queue_seconds: float | None,
         token_gaps: list[float],
     ) -> None:
         """One finished sequence (the n of one API call count as n)."""
@@ -150,8 +150,8 @@ class ServerMetrics:
         self.e2e_request_latency.observe(e2e_seconds)
         if first_token_seconds is not None:
             self.time_to_first_token.observe(first_token_seconds)
-        if first_output_seconds is not None:
-            self.request_queue_time.observe(first_output_seconds)
+        if queue_seconds is not None:
+            self.request_queue_time.observe(queue_seconds)
         for gap in token_gaps:
             self.inter_token_latency.observe(gap)
 

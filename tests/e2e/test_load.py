@@ -151,7 +151,8 @@ def test_random_disconnects_free_every_block(start_server: Callable[..., ServerT
     print(f"finished requests: {finished}")
     # Each stream left early; a timed-out plain request may leave before the server starts it.
     assert finished.get("abort", 0) >= 20
-    assert finished.get("length", 0) >= 10
+    # The ten 8-token requests end on their length or, earlier, on EOS.
+    assert finished.get("length", 0) + finished.get("stop", 0) >= 10
     assert sum(finished.values()) == num_answered
 
 

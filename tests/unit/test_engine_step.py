@@ -3,6 +3,8 @@ fails its own batch only."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -62,6 +64,14 @@ def test_deltas_count_tokens_and_end_with_length(engine) -> None:
     assert [d.finish_reason for d in deltas] == [None] * 5 + ["length"]
     assert all(d.num_prompt_tokens == 5 and d.error is None for d in deltas)
     assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_outputs_carry_the_time_spent_waiting(engine) -> None:
+    engine.add_request("a", [5, 6, 7], GREEDY, arrival_time=time.monotonic() - 2.0)
+    deltas = _drain(engine)["a"]
+    # The request arrived two seconds before it was first scheduled, and that time never changes.
+    assert all(2.0 <= d.queue_seconds < 60.0 for d in deltas)
+    assert len({d.queue_seconds for d in deltas}) == 1
 
 
 def test_eos_stops_unless_ignored(engine) -> None:
