@@ -164,11 +164,15 @@ def profile_steps(args: argparse.Namespace, prompts: list[list[int]]) -> None:
                 parts[name].append(seconds * 1e3)
         medians = ", ".join(f"{name} {statistics.median(v):.2f}" for name, v in parts.items())
         print(f"\ndecode step, {num_requests} rows (median ms): {medians}")
+        num_steps = 3
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(3):
+            for _ in range(num_steps):
                 engine.step()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-        print(table)
+        events = prof.key_averages()
+        num_ops = sum(event.count for event in events) / num_steps  # nested operators included
+        num_layers = len(runner.model.layers)
+        print(f"operators per step: {num_ops:.0f} ({num_ops / num_layers:.0f} per layer)")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 def main(argv: list[str] | None = None) -> int:

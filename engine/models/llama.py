@@ -4,7 +4,9 @@ One ragged forward: every row's tokens are flattened into ``[num_tokens]`` (see
 ``engine/input_builder.py``); attention reads each row's context through its block table, so a
 prompt chunk and a decode token are the same case. Qwen2 differs only by its q/k/v bias. Attention
 is always full: a sliding-window model is limited to contexts within its window (see
-``ModelConfig.max_context_len``), where the two agree.
+``ModelConfig.max_context_len``), where the two agree. With an ops module that plans steps (the
+torch backend's ``plan_step``), the batch's metadata is checked and indexed once per forward and
+each layer runs the lean ``*_planned`` ops.
 
     embed -> [RMSNorm -> QKV -> rotary -> store K/V -> paged attention -> o_proj
               -> RMSNorm -> gate_up -> SiLU * up -> down] x num_layers
@@ -40,11 +42,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), False)
+        self.add_rms_norm = getattr(ops, "add_rms_norm", None)  # unchecked, for the model's tensors
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        if self.add_rms_norm is None:
+            return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        normed, summed = self.add_rms_norm(x, residual, self.weight, self.eps)
+        return normed if residual is None else (normed, summed)
 
 
 class Attention(nn.Module):
@@ -92,14 +98,19 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
+        plan: Any = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        if plan is not None:
+            attended = self._attend_planned(qkv, key_cache, value_cache, plan)
+            return self.o_proj(attended.view(num_tokens, self.num_heads * self.head_dim))
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.ops.store_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         attended = self.ops.paged_attention(
             q,
@@ -113,6 +124,22 @@ class Attention(nn.Module):
             metadata.max_context_len,
         )  # [num_tokens, num_heads, head_dim]
         return self.o_proj(attended.view(num_tokens, self.num_heads * self.head_dim))
+
+    def _attend_planned(
+        self, qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: Any
+    ) -> torch.Tensor:
+        """Rotary, K/V store and attention with the step's plan (``ops.plan_step``)."""
+        num_tokens, head_dim = qkv.shape[0], self.head_dim
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        # [num_tokens, num_heads + num_kv_heads, head_dim]: q and k side by side, rotated at once
+        qk = qkv[:, : num_qk_heads * head_dim].view(num_tokens, num_qk_heads, head_dim)
+        self.ops.rotary_embedding_planned(qk, plan)
+        k = qk[:, self.num_heads :]  # [num_tokens, num_kv_heads, head_dim]
+        v = qkv[:, num_qk_heads * head_dim :].view(num_tokens, self.num_kv_heads, head_dim)
+        self.ops.store_kv_planned(k, v, key_cache, value_cache, plan)
+        return self.ops.paged_attention_planned(
+            qk[:, : self.num_heads], key_cache, value_cache, plan.attention, self.scale
+        )  # [num_tokens, num_heads, head_dim]
 
 
 class MLP(nn.Module):
@@ -157,6 +184,7 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         kv_cache: torch.Tensor,
         cos_sin_cache: torch.Tensor,
+        plan: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it is added)."""
         if residual is None:
@@ -164,7 +192,7 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata, kv_cache, cos_sin_cache)
+        hidden = self.self_attn(positions, hidden, metadata, kv_cache, cos_sin_cache, plan)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -184,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.plan_step = getattr(ops, "plan_step", None)
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, dtype=dtype, parallel=parallel
         )
@@ -212,11 +241,24 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         sample_rows: torch.Tensor,  # [num_sampled]
     ) -> torch.Tensor:
+        plan = None
+        if self.plan_step is not None:  # checked and indexed once for all layers
+            plan = self.plan_step(
+                positions,
+                metadata.slot_mapping,
+                metadata.query_start,
+                metadata.context_lens,
+                metadata.block_tables,
+                self.cos_sin_cache,
+                block_size=kv_cache.shape[3],
+                num_kv_heads=kv_cache.shape[4],
+                num_slots=kv_cache.shape[2] * kv_cache.shape[3],
+            )
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual: torch.Tensor | None = None
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
             hidden, residual = layer(
-                positions, hidden, residual, metadata, layer_cache, self.cos_sin_cache
+                positions, hidden, residual, metadata, layer_cache, self.cos_sin_cache, plan
             )
         assert residual is not None
         # Only the sampling rows go through the final norm and the LM head.
