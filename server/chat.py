@@ -6,21 +6,20 @@ import time
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.outputs import TokenLogprob
 from server.errors import APIError
 from server.generation import ChoiceDelta
 from server.protocol import ChatCompletionRequest
 from server.serving import (
-    SSE_HEADERS,
     ServerState,
     build_params,
     collect,
     finish_reason_of,
     finite_logprob,
     read_body,
-    sse_stream,
+    streaming_response,
     usage,
 )
 from server.tokens import TokenText
@@ -157,14 +156,4 @@ async def create_chat_completion(request: Request) -> Response:
             )
         return chunks
 
-    def final_chunks() -> list[dict[str, Any]]:
-        if not include_usage:
-            return []
-        totals = usage(generation.num_prompt_tokens, generation.num_output_tokens)
-        return [{**chunk_base, "choices": [], "usage": totals}]
-
-    return StreamingResponse(
-        sse_stream(generation, first, make_chunks, final_chunks),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-    )
+    return streaming_response(generation, first, make_chunks, chunk_base if include_usage else None)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from scheduler.sampling_params import SamplingParams
@@ -228,22 +229,39 @@ async def collect(
         generation.close()
 
 
+def streaming_response(
+    generation: Generation,
+    first: list[ChoiceDelta],
+    make_chunks: Callable[[list[ChoiceDelta]], list[dict[str, Any]]],
+    usage_chunk_base: dict[str, Any] | None,
+) -> StreamingResponse:
+    """The SSE response of a streamed generation. With ``usage_chunk_base`` (include_usage), a
+    last chunk of that base with no choices carries the request's usage."""
+    return StreamingResponse(
+        sse_stream(generation, first, make_chunks, usage_chunk_base),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
 async def sse_stream(
     generation: Generation,
     first: list[ChoiceDelta],
     make_chunks: Callable[[list[ChoiceDelta]], list[dict[str, Any]]],
-    final_chunks: Callable[[], list[dict[str, Any]]],
+    usage_chunk_base: dict[str, Any] | None,
 ) -> AsyncIterator[str]:
-    """SSE events: the chunks of each batch of deltas, then ``final_chunks()``, then [DONE].
-    An engine failure mid-stream is sent as an error event. Cancellation (a disconnect) aborts."""
+    """SSE events: the chunks of each batch of deltas, then the usage chunk (when asked for), then
+    [DONE]. An engine failure mid-stream is sent as an error event. Cancellation (a disconnect)
+    aborts."""
     try:
         deltas = first
         while deltas:
             for chunk in make_chunks(deltas):
                 yield sse_event(chunk)
             deltas = await generation.next_deltas()
-        for chunk in final_chunks():
-            yield sse_event(chunk)
+        if usage_chunk_base is not None:
+            totals = usage(generation.num_prompt_tokens, generation.num_output_tokens)
+            yield sse_event({**usage_chunk_base, "choices": [], "usage": totals})
     except GenerationError as error:
         yield sse_event(APIError(error.status_code, error.message, code="engine_error").body())
     finally:
