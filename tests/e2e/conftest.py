@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import statistics
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from server.app import create_app
@@ -59,3 +64,45 @@ def tiny_tokenizer(tiny_llama_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def livez_latencies_under_load(
+    server: ServerThread, body: dict[str, Any], num_clients: int, join_seconds: float
+) -> list[float]:
+    """Seconds of 100 ``/livez`` calls made while ``num_clients`` clients keep posting ``body`` to
+    /v1/completions (the engine saturated); prints p50 and p99."""
+    stop = threading.Event()
+
+    async def load() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+
+            async def one_client() -> None:
+                while not stop.is_set():
+                    await client.post("/v1/completions", json=body)
+
+            await asyncio.gather(*(one_client() for _ in range(num_clients)))
+
+    loader = threading.Thread(target=asyncio.run, args=(load(),), daemon=True)
+    loader.start()
+    while server.state.engine.num_in_flight < 4:
+        time.sleep(0.01)
+    latencies = []
+    with httpx.Client(base_url=server.url) as client:
+        for _ in range(100):
+            start = time.perf_counter()
+            assert client.get("/livez").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.01)
+    stop.set()
+    loader.join(join_seconds)
+    p99 = statistics.quantiles(latencies, n=100)[98]
+    print(f"/livez under load: p50 {statistics.median(latencies) * 1e3:.1f} ms, "
+          f"p99 {p99 * 1e3:.1f} ms")  # fmt: skip
+    return latencies
+
+
+@pytest.fixture
+def livez_under_load() -> Callable[..., list[float]]:
+    """``livez_under_load(server, body, num_clients, join_seconds)``: see
+    ``livez_latencies_under_load``."""
+    return livez_latencies_under_load

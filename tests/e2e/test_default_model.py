@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,35 +69,10 @@ def test_streamed_chat_arrives_token_by_token(client: openai.OpenAI) -> None:
     assert arrivals[-1] - arrivals[0] > 0.05
 
 
-def test_livez_under_a_saturated_engine(default_server: ServerThread) -> None:
-    stop = threading.Event()
-
-    async def load() -> None:
-        async with httpx.AsyncClient(base_url=default_server.url, timeout=120) as http:
-
-            async def one() -> None:
-                while not stop.is_set():
-                    body = {"prompt": "hello " * 64, "max_tokens": 4, "ignore_eos": True}
-                    await http.post("/v1/completions", json=body)
-
-            await asyncio.gather(*(one() for _ in range(4)))
-
-    loader = threading.Thread(target=asyncio.run, args=(load(),), daemon=True)
-    loader.start()
-    while default_server.state.engine.num_in_flight < 4:
-        time.sleep(0.01)
-    latencies = []
-    with httpx.Client(base_url=default_server.url) as http:
-        for _ in range(100):
-            start = time.perf_counter()
-            assert http.get("/livez").status_code == 200
-            latencies.append(time.perf_counter() - start)
-            time.sleep(0.01)
-    stop.set()
-    loader.join(120)
+def test_livez_under_a_saturated_engine(default_server: ServerThread, livez_under_load) -> None:
+    body = {"prompt": "hello " * 64, "max_tokens": 4, "ignore_eos": True}
+    latencies = livez_under_load(default_server, body, num_clients=4, join_seconds=120)
     p99 = statistics.quantiles(latencies, n=100)[98]
-    print(f"/livez with the default model saturated: p50 "
-          f"{statistics.median(latencies) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms")  # fmt: skip
     # The figure depends on the machine's load (the tiny-model test holds the 50 ms line); a loop
     # that waited for forward passes would take whole steps (hundreds of ms) here.
     assert p99 < 0.25

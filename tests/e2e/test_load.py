@@ -8,7 +8,6 @@ import contextlib
 import json
 import random
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -172,36 +171,11 @@ class SlowStepEngine:
 
 
 def test_livez_stays_fast_while_the_engine_is_saturated(
-    start_server: Callable[..., ServerThread],
+    start_server: Callable[..., ServerThread], livez_under_load: Callable[..., list[float]]
 ) -> None:
     server = start_server(engine_factory=lambda config: SlowStepEngine(config, 0.1))
-    stop = threading.Event()
-
-    async def load() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-
-            async def one_client() -> None:
-                while not stop.is_set():
-                    body = {"prompt": "x " * 50, "max_tokens": 5}
-                    await client.post("/v1/completions", json=body)
-
-            await asyncio.gather(*(one_client() for _ in range(8)))
-
-    loader = threading.Thread(target=asyncio.run, args=(load(),), daemon=True)
-    loader.start()
-    while server.state.engine.num_in_flight < 4:
-        time.sleep(0.01)
-    latencies = []
-    with httpx.Client(base_url=server.url) as client:
-        for _ in range(100):
-            start = time.perf_counter()
-            assert client.get("/livez").status_code == 200
-            latencies.append(time.perf_counter() - start)
-            time.sleep(0.01)
-    stop.set()
-    loader.join(30)
+    body = {"prompt": "x " * 50, "max_tokens": 5}
+    latencies = livez_under_load(server, body, num_clients=8, join_seconds=30)
     p99 = statistics.quantiles(latencies, n=100)[98]
-    print(f"/livez under load: p50 {statistics.median(latencies) * 1e3:.1f} ms, "
-          f"p99 {p99 * 1e3:.1f} ms")  # fmt: skip
     # A loop that waited for a step would take >= 100 ms.
     assert p99 < 0.05
