@@ -8,6 +8,9 @@ batching, chunked prefill); (2) transformers ``generate`` in padded static batch
 ``--hf-batch-size``; (3) one request alone through each, timing the decode rate after the first
 token. Prompts are random token ids of exactly ``--prompt-len`` tokens; every request generates
 exactly ``--output-len`` tokens (EOS ignored). Prints tokens/s for each and the ratios.
+
+splitfuse compiles its one-token forward at start-up, as ``splitfuse serve`` does (the start-up
+time is printed); ``--no-compile`` runs the eager forward throughout.
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ def _prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> 
 def run_splitfuse(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
     from engine import LLM, SamplingParams
 
+    start = time.perf_counter()
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
         max_batch_tokens=args.max_batch_tokens,
         max_batch_seqs=max(len(prompts), 1),
         kv_cache_memory=args.kv_cache_memory,
+        compile=args.compile,
     )
+    startup = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
 
@@ -64,6 +70,7 @@ def run_splitfuse(args: argparse.Namespace, prompts: list[list[int]]) -> dict[st
         "seconds": seconds,
         "single_decode": 1.0 / statistics.median(step_times),
         "single_ttft": first_token_time or 0.0,
+        "startup": startup,
     }
 
 
@@ -189,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile splitfuse's one-token forward at start-up, as serve does (default: on)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="profile decode steps instead of the comparison"
     )
     args = parser.parse_args(argv)
@@ -220,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         ("single stream decode tok/s", "single_decode"),
         ("single stream TTFT (s)", "single_ttft"),
     ]
+    print(f"splitfuse start-up (s): {ours['startup']:.1f} (compile: {args.compile})")
     for label, key in rows:
         mine = ours[key]
         if theirs is None:

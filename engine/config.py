@@ -63,6 +63,11 @@ class EngineConfig(BaseModel):
     )
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0
+    compile: bool = Field(
+        False,
+        description="compile the one-token (single request) forward at start-up: CPU, torch "
+        "backend, one process; about a minute for the default model on 2 cores",
+    )
     num_threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
 
     @field_validator("kv_cache_memory", mode="before")

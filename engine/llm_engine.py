@@ -96,6 +96,7 @@ class LLMEngine:
             num_kv_blocks=config.num_kv_blocks,
             max_useful_blocks=config.max_batch_seqs * blocks_per_seq,
             seed=config.seed,
+            compile=config.compile,
         )
         # rank 0 of a tensor-parallel group, or None on one process
         self.tp_group: TensorParallelGroup | None = None

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from engine.input_builder import build_model_input
+from engine.compiled_forward import compile_unsupported
+from engine.input_builder import AttentionMetadata, build_model_input
 from engine.kv_cache_memory import (
     allocate_kv_cache,
     bytes_per_block,
@@ -49,6 +50,7 @@ class ModelRunner:
         max_useful_blocks: int,
         seed: int,
         parallel: ParallelContext = SINGLE_PROCESS,
+        compile: bool = False,
     ) -> None:
         self.model_config = model_config
         self.dtype = dtype
@@ -67,9 +69,6 @@ class ModelRunner:
             )
         self.model.load_weights(iterate_weights(model_dir))
         self.model.eval()
-        for module in self.model.modules():
-            if isinstance(module, MatmulLayer):
-                module.pack_weights()  # bfloat16 on a CPU: oneDNN layout, once
         logger.info(
             "loaded %s (%s, %s) in %.1f s",
             model_dir.name,
@@ -107,7 +106,40 @@ class ModelRunner:
             num_kv_blocks * block_size,
             num_kv_blocks * block_bytes / 2**20,
         )
+        if compile:
+            self._compile_one_token(attention_backend)
+        for module in self.model.modules():
+            if isinstance(module, MatmulLayer):
+                module.pack_weights()  # bfloat16 on a CPU: oneDNN layout, once
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)
+
+    def _compile_one_token(self, attention_backend: str) -> None:
+        """Compiles the one-token forward (``engine/compiled_forward.py``) by running it once on
+        a dummy decode at slot 0, before any request holds a block. Where it cannot run, or its
+        compilation fails, the eager forward serves every step (logged)."""
+        reason = compile_unsupported(self.device, attention_backend, self.parallel.world_size)
+        if reason:
+            logger.info("compile: not used (%s)", reason)
+            return
+        start = time.perf_counter()
+        self.model.compile_one_token()
+        device = self.device
+        dummy = torch.zeros(1, dtype=torch.int64, device=device)
+        metadata = AttentionMetadata(
+            slot_mapping=dummy,
+            query_start=torch.tensor([0, 1], dtype=torch.int32, device=device),
+            context_lens=torch.ones(1, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
+            max_query_len=1,
+            max_context_len=1,
+        )
+        try:
+            self.model(dummy, dummy, metadata, self.kv_cache, dummy)
+        except Exception:  # a compiler failure must not take serving down: eager still works
+            logger.exception("compile: the one-token forward failed to compile; running eager")
+            self.model.one_token_forward = None
+            return
+        logger.info("compile: one-token forward compiled in %.1f s", time.perf_counter() - start)
 
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Runs the batch's forward pass and samples one token per sampling row (row order)."""

@@ -15,6 +15,7 @@ each layer runs the lean ``*_planned`` ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.compiled_forward import compile_forward, run_compiled
 from engine.input_builder import AttentionMetadata
 from engine.layers import (
     ColumnParallelLinear,
@@ -60,9 +62,11 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         ops: ModuleType,
         parallel: ParallelContext,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         self.ops = ops
+        self.layer_index = layer_index
         head_dim = config.head_dim
         heads = shard_heads(
             config.num_heads, config.num_kv_heads, parallel.rank, parallel.world_size
@@ -125,6 +129,25 @@ class Attention(nn.Module):
         )  # [num_tokens, num_heads, head_dim]
         return self.o_proj(attended.view(num_tokens, self.num_heads * self.head_dim))
 
+    def forward_compiled(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim] float32 (StepPlan.cos)
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim] float32 (StepPlan.sin)
+    ) -> torch.Tensor:
+        """The traced form (``engine/compiled_forward.py``): rotary as a function of qkv, then
+        the opaque ``attend_step`` stores K/V and attends with the step's plan."""
+        num_tokens, head_dim = hidden.shape[0], self.head_dim
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(hidden)
+        qk = qkv[:, : num_qk_heads * head_dim].view(num_tokens, num_qk_heads, head_dim).float()
+        qk = (qk * cos + torch.roll(qk, head_dim // 2, -1) * sin).to(qkv.dtype)
+        v = qkv[:, num_qk_heads * head_dim :].view(num_tokens, self.num_kv_heads, head_dim)
+        attended = torch.ops.splitfuse.attend_step(
+            qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.layer_index, self.scale
+        )  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(attended.view(num_tokens, self.num_heads * head_dim))
+
     def _attend_planned(
         self, qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: Any
     ) -> torch.Tensor:
@@ -169,9 +192,10 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         ops: ModuleType,
         parallel: ParallelContext,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, dtype, ops, parallel)
+        self.self_attn = Attention(config, dtype, ops, parallel, layer_index)
         self.mlp = MLP(config, dtype, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
@@ -196,6 +220,22 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def forward_compiled(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn.forward_compiled(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids, positions, metadata, kv_cache, sample_rows) -> logits`` for the
@@ -217,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, parallel=parallel
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, ops, parallel) for _ in range(config.num_layers)
+            DecoderLayer(config, dtype, ops, parallel, index) for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.lm_head = ParallelLMHead(
@@ -231,6 +271,14 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, max_position, config.rope_theta, config.rope_scaling
         )
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+        self.one_token_forward: Callable[..., torch.Tensor] | None = None
+
+    def compile_one_token(self) -> None:
+        """Runs later one-token steps through ``torch.compile`` (``engine/compiled_forward.py``);
+        the next such step compiles, while the weights are still unpacked."""
+        if self.plan_step is None:
+            raise ValueError("the compiled forward needs the torch attention backend")
+        self.one_token_forward = compile_forward(self._one_token_body)
 
     @torch.inference_mode()
     def forward(
@@ -254,6 +302,14 @@ class LlamaForCausalLM(nn.Module):
                 num_kv_heads=kv_cache.shape[4],
                 num_slots=kv_cache.shape[2] * kv_cache.shape[3],
             )
+        if (
+            self.one_token_forward is not None
+            and input_ids.shape[0] == 1
+            and sample_rows.shape[0] == 1
+        ):
+            return run_compiled(
+                self.one_token_forward, plan, kv_cache, input_ids, plan.cos, plan.sin
+            )
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual: torch.Tensor | None = None
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
@@ -264,6 +320,22 @@ class LlamaForCausalLM(nn.Module):
         # Only the sampling rows go through the final norm and the LM head.
         hidden, _ = self.norm(hidden[sample_rows], residual[sample_rows])
         return self.lm_head(hidden).float()  # [num_sampled, vocab_size]
+
+    def _one_token_body(
+        self,
+        input_ids: torch.Tensor,  # [1]
+        cos: torch.Tensor,  # [1, 1, head_dim] float32
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """The forward of one sampled token after ``plan_step``, as ``torch.compile`` traces
+        it; returns its float32 logits [1, vocab_size]."""
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer.forward_compiled(hidden, residual, cos, sin)
+        assert residual is not None
+        hidden, _ = self.norm(hidden, residual)
+        return self.lm_head(hidden).float()
 
     # -- weights ---------------------------------------------------------------------------
 
