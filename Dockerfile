@@ -32,8 +32,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
+# g++ and the Python headers: torch.compile (the CPU server's one-token graph) and Triton's
+# launchers build small native modules at run time.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates python3 python3-venv tini \
+        g++ python3-dev \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 

@@ -28,6 +28,7 @@ call costs no check per parameter.
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -99,20 +100,50 @@ def compile_unsupported(device: torch.device, attention_backend: str, world_size
 
 
 def compile_forward(body: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``body`` (a bound method of the model) compiled for static one-token inputs."""
-    return torch.compile(body, dynamic=False, options=_OPTIONS)
+    """``body`` (a bound method of the model) compiled for static one-token inputs.
+
+    Dynamo keeps its compiled graphs on the function's code object, and with the weight guards
+    skipped, a second model in the process would run the first one's graph (its frozen weights).
+    Each model therefore compiles its own copy of the code object; the graph, and the weight
+    constants in it, go away with the model."""
+    assert isinstance(body, types.MethodType), "compile_forward takes a bound method"
+    function = body.__func__
+    fresh = types.FunctionType(
+        function.__code__.replace(),  # an equal but distinct code object
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    return torch.compile(types.MethodType(fresh, body.__self__), dynamic=False, options=_OPTIONS)
 
 
-def run_compiled(
-    compiled: Callable[..., torch.Tensor],
-    plan: Any,
-    kv_cache: torch.Tensor,
-    *args: torch.Tensor,
-) -> torch.Tensor:
-    """Calls ``compiled(*args)`` with ``plan`` and ``kv_cache`` as the step's context."""
-    _step.current = (plan, kv_cache)
-    try:
-        with _FREEZING:
-            return compiled(*args)
-    finally:
-        _step.current = None
+class OneTokenForward:
+    """``model._one_token_body`` compiled; called as ``(plan, kv_cache, input_ids, cos, sin)``.
+
+    The first call compiles. Later calls must not compile again (a recompile would trace the
+    model after ``pack_weights`` replaced its weights): they run under the ``fail_on_recompile``
+    stance, and ``is_recompile_error`` tells that failure from the step's own errors."""
+
+    def __init__(self, body: Callable[..., torch.Tensor]) -> None:
+        self._compiled = compile_forward(body)
+        self.ready = False
+
+    def __call__(self, plan: Any, kv_cache: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        _step.current = (plan, kv_cache)
+        try:
+            with (
+                _FREEZING,
+                torch.compiler.set_stance("fail_on_recompile" if self.ready else "default"),
+            ):
+                logits = self._compiled(*args)
+        finally:
+            _step.current = None
+        self.ready = True
+        return logits
+
+
+def is_recompile_error(error: BaseException) -> bool:
+    """Whether ``error`` is dynamo refusing to recompile a ready ``OneTokenForward`` (raised
+    before the graph ran: nothing of the step was computed)."""
+    return isinstance(error, RuntimeError) and str(error).startswith("Detected recompile")

@@ -30,17 +30,28 @@ class MatmulLayer(nn.Module):
     """A layer with a ``weight`` [out_features, in_features] that ``pack_weights()`` can replace
     by a packed copy once loaded (bfloat16 on a CPU, see ``engine/packed_linear.py``)."""
 
-    weight: nn.Parameter | None
-    packed_weight: torch.Tensor | None = None
+    weight: nn.Parameter
+    # True where ``weight`` is another module's parameter too (an LM head tied to the embedding)
+    shares_weight = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed_weight: torch.Tensor | None = None
 
     def pack_weights(self) -> None:
-        """Call after loading: the layer then holds the packed weight alone."""
-        if self.weight is not None and can_pack(self.weight):
+        """Call after loading (and after compiling, ``engine/compiled_forward.py``): the layer
+        then multiplies with the packed copy. The weight stays the same parameter object, which
+        a compiled graph's guards may check, but gives its storage up (a weight another module
+        shares keeps it)."""
+        if self.packed_weight is None and can_pack(self.weight):
             self.packed_weight = pack_weight(self.weight)
-            self.weight = None
+            if not self.shares_weight:
+                self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed_weight is not None:
+        # A compiled graph multiplies with the weight parameter (inductor packs a constant of
+        # its own) and never reads packed_weight, so packing later changes nothing it checks.
+        if not torch.compiler.is_compiling() and self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
 
@@ -206,6 +217,7 @@ class ParallelLMHead(MatmulLayer):
         self.vocab_size = vocab_size
         if tied_embedding is not None:
             self.weight = tied_embedding.weight
+            self.shares_weight = True
         else:
             embedding = VocabParallelEmbedding(
                 vocab_size, hidden_size, dtype=dtype, parallel=parallel

@@ -44,6 +44,12 @@ def register(subparsers: Any) -> None:
     add("--max-batch-tokens", type=int, default=512, help="engine budget for --offline")
     add("--kv-cache-memory", default="0.3", help="engine KV cache for --offline")
     add("--num-threads", type=int, help="engine CPU threads for --offline (default: all cores)")
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile the --offline engine's one-token forward, as serve does (default: on)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -95,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 max_batch_tokens=args.max_batch_tokens,
                 kv_cache_memory=args.kv_cache_memory,
                 num_threads=args.num_threads,
+                compile=args.compile,
             )
         )
         if args.warmup:

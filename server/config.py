@@ -65,7 +65,16 @@ class ServerConfig(BaseModel):
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_require_auth: bool = False
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(compile=True))
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _compile_by_default(cls, value: Any) -> Any:
+        """A server compiles its one-token forward unless told not to (``compile: false``): it
+        starts once and decodes single streams about twice as fast for it."""
+        if isinstance(value, Mapping) and "compile" not in value:
+            return {**value, "compile": True}
+        return value
 
     @field_validator("max_body_bytes", mode="before")
     @classmethod

@@ -32,6 +32,12 @@ def register(subparsers: Any) -> None:
     add("--seed", type=int, default=None, help="seed of the sampling")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add("--num-threads", type=int, default=None, metavar="N", help="CPU threads")
+    add(
+        "--compile",
+        action="store_true",
+        help="compile the one-token forward first (about a minute for the default model on 2 "
+        "cores; pays off for long outputs)",
+    )
     add("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=_generate)
 
@@ -64,7 +70,10 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     config = EngineConfig(
-        model=args.model or DEFAULT_MODEL, dtype=args.dtype, num_threads=args.num_threads
+        model=args.model or DEFAULT_MODEL,
+        dtype=args.dtype,
+        num_threads=args.num_threads,
+        compile=args.compile,
     )
     engine = LLMEngine(config)
     tokenizer = engine.tokenizer

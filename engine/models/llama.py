@@ -15,7 +15,7 @@ each layer runs the lean ``*_planned`` ops.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 from types import ModuleType
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.compiled_forward import compile_forward, run_compiled
+from engine.compiled_forward import OneTokenForward, is_recompile_error
 from engine.input_builder import AttentionMetadata
 from engine.layers import (
     ColumnParallelLinear,
@@ -36,6 +36,8 @@ from engine.model_config import ModelConfig
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 from engine.tp_sharding import shard_heads
 from kernels import build_cos_sin_cache
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -271,14 +273,14 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, max_position, config.rope_theta, config.rope_scaling
         )
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
-        self.one_token_forward: Callable[..., torch.Tensor] | None = None
+        self.one_token_forward: OneTokenForward | None = None
 
     def compile_one_token(self) -> None:
         """Runs later one-token steps through ``torch.compile`` (``engine/compiled_forward.py``);
         the next such step compiles, while the weights are still unpacked."""
         if self.plan_step is None:
             raise ValueError("the compiled forward needs the torch attention backend")
-        self.one_token_forward = compile_forward(self._one_token_body)
+        self.one_token_forward = OneTokenForward(self._one_token_body)
 
     @torch.inference_mode()
     def forward(
@@ -307,9 +309,17 @@ class LlamaForCausalLM(nn.Module):
             and input_ids.shape[0] == 1
             and sample_rows.shape[0] == 1
         ):
-            return run_compiled(
-                self.one_token_forward, plan, kv_cache, input_ids, plan.cos, plan.sin
-            )
+            try:
+                return self.one_token_forward(plan, kv_cache, input_ids, plan.cos, plan.sin)
+            except RuntimeError as error:
+                if not is_recompile_error(error):
+                    raise
+                logger.error(
+                    "compile: the one-token graph no longer applies (%s); the eager "
+                    "forward serves every step from now on",
+                    str(error).splitlines()[0],
+                )
+                self.one_token_forward = None
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual: torch.Tensor | None = None
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):

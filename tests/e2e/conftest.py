@@ -18,7 +18,7 @@ from server.config import ServerConfig
 from server.runner import ServerThread
 
 # Small, fixed KV cache: tests do not depend on the machine's free memory.
-TINY_ENGINE = {"dtype": "float32", "kv_cache_memory": "64MiB"}
+TINY_ENGINE = {"dtype": "float32", "kv_cache_memory": "64MiB", "compile": False}
 
 
 def tiny_config(

@@ -32,6 +32,12 @@ class FailingEngine:
 if __name__ == "__main__":
     model_dir, port = sys.argv[1], int(sys.argv[2])
     config = ServerConfig(
-        port=port, engine={"model": model_dir, "dtype": "float32", "kv_cache_memory": "64MiB"}
+        port=port,
+        engine={
+            "model": model_dir,
+            "dtype": "float32",
+            "kv_cache_memory": "64MiB",
+            "compile": False,
+        },
     )
     sys.exit(run(create_app(config, engine_factory=FailingEngine), "127.0.0.1", port, "warning"))

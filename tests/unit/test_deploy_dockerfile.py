@@ -187,6 +187,8 @@ def test_entrypoint_is_exec_form_under_an_init(runtime_stages: dict[str, list[St
     assert words == ["/usr/bin/tini", "--", "splitfuse", "serve"]
     apt = " ".join(_instructions(stage_chain(runtime_stages["cuda"], "base")[-1], "RUN"))
     assert " tini" in apt
+    # torch.compile and Triton build native modules at run time
+    assert " g++" in apt and " python3-dev" in apt
 
 
 def test_port_and_healthcheck(runtime_stages: dict[str, list[Stage]]) -> None:

@@ -26,6 +26,16 @@ def test_defaults() -> None:
     assert config.engine.model == "SmolLM2-135M-Instruct"
 
 
+def test_the_server_compiles_unless_told_not_to() -> None:
+    assert load_config(environ={}).engine.compile is True
+    assert ServerConfig().engine.compile is True
+    assert ServerConfig(engine={"dtype": "float32"}).engine.compile is True
+    assert ServerConfig(engine={"compile": False}).engine.compile is False
+    assert load_config(environ={"SPLITFUSE_COMPILE": "false"}).engine.compile is False
+    assert load_config(_parse(["--no-compile"]), environ={}).engine.compile is False
+    assert _parse([]) == {}
+
+
 def test_yaml_file_with_engine_section_and_aliases(tmp_path: Path) -> None:
     path = tmp_path / "serve.yaml"
     path.write_text(
