@@ -139,6 +139,7 @@ def profile_steps(args: argparse.Namespace, prompts: list[list[int]]) -> None:
                 max_batch_tokens=args.max_batch_tokens,
                 max_batch_seqs=max(num_requests, 1),
                 kv_cache_memory=args.kv_cache_memory,
+                compile=args.compile,
             )
         )
         for index, prompt in enumerate(prompts[:num_requests]):
