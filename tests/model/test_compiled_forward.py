@@ -161,6 +161,30 @@ def test_a_failed_compile_leaves_the_eager_forward(tiny_llama_dir, monkeypatch, 
     assert _generate(engine, prompts, params, together=False) == reference
 
 
+def test_a_refused_recompile_leaves_the_eager_forward(tiny_llama_dir, caplog) -> None:
+    """Inputs the graph was not compiled for (here int32 token ids) are refused, not compiled
+    again: the step runs eager, the error is logged, and eager serves from then on."""
+    engine = _engine(tiny_llama_dir, compile=True)
+    model = engine.runner.model
+    graph = model.one_token_forward
+    calls = 0
+
+    class Int32Ids:
+        def __call__(self, plan, kv_cache, input_ids, cos, sin):
+            nonlocal calls
+            calls += 1
+            return graph(plan, kv_cache, input_ids.to(torch.int32), cos, sin)
+
+    model.one_token_forward = Int32Ids()
+    prompts = _prompts(1, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
+    with caplog.at_level(logging.ERROR, logger="engine.models.llama"):
+        outputs = _generate(engine, prompts, params, together=False)
+    assert calls == 1 and model.one_token_forward is None
+    assert "no longer applies" in caplog.text
+    assert outputs == _generate(_engine(tiny_llama_dir), prompts, params, together=False)
+
+
 def test_compile_is_skipped_where_it_cannot_run() -> None:
     unsupported = compiled_forward.compile_unsupported
     assert unsupported(torch.device("cpu"), "torch", 1) == ""
