@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from engine.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from engine.packed_linear import can_pack
 
 
@@ -35,3 +40,17 @@ def test_float32_is_not_packed() -> None:
     layer = RowParallelLinear(8, 4, bias=False, dtype=torch.float32)
     layer.pack_weights()
     assert layer.weight.numel() == 4 * 8 and layer.packed_weight is None
+
+
+@pytest.mark.skipif(not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)), reason="no oneDNN")
+def test_packing_a_tied_head_keeps_the_embedding() -> None:
+    embedding = VocabParallelEmbedding(100, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(100, 64))
+    head = ParallelLMHead(100, 64, dtype=torch.bfloat16, tied_embedding=embedding)
+    ids = torch.tensor([3, 97])
+    expected = embedding(ids)
+    head.pack_weights()
+    assert head.packed_weight is not None and head.weight is embedding.weight
+    assert torch.equal(embedding(ids), expected)
+    assert torch.equal(head(expected), F.linear(expected, embedding.weight))
