@@ -13,8 +13,8 @@ CPP backend) turns every one-row product into a loop over weights packed once as
 
 ``splitfuse::attend_step(q, k, v, layer, scale)`` stores the layer's K/V into the paged cache and
 attends with the step's plan. The plan and the KV cache never enter the graph: the op reads them
-from the step context that ``OneTokenForward`` sets around the call, so a new context length is not a
-new graph, and the cache, which the op writes in place, is never copied by the compiler's
+from the step context that ``OneTokenForward`` sets around the call, so a new context length is
+not a new graph, and the cache, which the op writes in place, is never copied by the compiler's
 functionalization. To the compiler the op is a pure function of (q, k, v); its write goes to state
 outside the graph, and its output is always used, so it runs exactly once per layer, in order.
 

@@ -16,6 +16,7 @@ each layer runs the lean ``*_planned`` ops.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -213,14 +214,13 @@ class DecoderLayer(nn.Module):
         plan: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it is added)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata, kv_cache, cos_sin_cache, plan)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self._around_attention(
+            hidden,
+            residual,
+            lambda normed: self.self_attn(
+                positions, normed, metadata, kv_cache, cos_sin_cache, plan
+            ),
+        )
 
     def forward_compiled(
         self,
@@ -229,12 +229,24 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` as the compiled graph traces it (``Attention.forward_compiled``)."""
+        return self._around_attention(
+            hidden, residual, lambda normed: self.self_attn.forward_compiled(normed, cos, sin)
+        )
+
+    def _around_attention(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm -> ``attend`` -> add + norm -> MLP; returns (output, residual stream)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn.forward_compiled(hidden, cos, sin)
+        hidden = attend(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
