@@ -1,10 +1,12 @@
 """Time the kernels and print achieved memory bandwidth.
 
-    python benchmarks/kernels_bench.py        # CUDA: Triton kernels vs the device's copy bandwidth
-    python benchmarks/kernels_bench.py --cpu  # the PyTorch ops on this CPU (the CPU serving path)
+    python benchmarks/kernels_bench.py        # CUDA: Triton backend vs the device's copy bandwidth
+    python benchmarks/kernels_bench.py --cpu  # the torch backend on this CPU (the CPU serving path)
 
-On a machine without a CUDA device the first form says so and exits 0. Decode attention is
-memory-bound: its bytes are the K/V read through the block tables (plus query and output).
+On a machine without a CUDA device the first form says so and exits 0. Each op is timed as a layer
+runs it: over a step plan made once (``backend.plan``), whose cost is printed apart on the CPU.
+Decode attention is memory-bound: its bytes are the K/V read through the block tables (plus query
+and output).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import build_cos_sin_cache, get_ops, torch_attention
+from kernels import AttentionMetadata, build_cos_sin_cache, get_backend, torch_attention
 
 
 @dataclass
@@ -32,8 +34,30 @@ class AttentionCase:
     block_size: int = 16
 
 
-def make_attention_inputs(case: AttentionCase, dtype: torch.dtype, device: str) -> tuple:
-    """Random query and cache, each row's blocks scattered over the cache in random order."""
+@dataclass
+class AttentionInputs:
+    """A step's plan inputs (``backend.plan``) and a layer's query and caches."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    kv_cache: torch.Tensor  # [1, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    scale: float
+
+    def plan(self, backend):
+        return backend.plan(
+            self.positions, self.metadata, self.kv_cache, self.metadata.max_context_len
+        )
+
+    def attention(self, backend, plan) -> Callable[[], object]:
+        """One layer's paged attention over ``plan``."""
+        key_cache, value_cache = self.kv_cache[0]
+        return lambda: backend.paged_attention(self.query, key_cache, value_cache, plan, self.scale)
+
+
+def make_attention_inputs(case: AttentionCase, dtype: torch.dtype, device: str) -> AttentionInputs:
+    """Random query and cache, each row's blocks scattered over the cache in random order; each
+    query token's K/V slot is the one of its position."""
     context_lens = [cached + q_len for cached, q_len in case.rows]
     blocks_per_row = [math.ceil(ctx / case.block_size) for ctx in context_lens]
     num_blocks = sum(blocks_per_row)
@@ -43,23 +67,24 @@ def make_attention_inputs(case: AttentionCase, dtype: torch.dtype, device: str) 
     for row, count in enumerate(blocks_per_row):
         block_tables[row, :count] = physical[next_block : next_block + count]
         next_block += count
-    shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_dim)
-    key_cache = torch.randn(shape, dtype=dtype, device=device)
-    value_cache = torch.randn(shape, dtype=dtype, device=device)
+    shape = (1, 2, num_blocks, case.block_size, case.num_kv_heads, case.head_dim)
+    kv_cache = torch.randn(shape, dtype=dtype, device=device)
     query_lens = [q_len for _, q_len in case.rows]
     query = torch.randn(sum(query_lens), case.num_heads, case.head_dim, dtype=dtype, device=device)
     query_start = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return (
-        query,
-        key_cache,
-        value_cache,
-        query_start.to(device),
-        torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables.to(device),
-        case.head_dim**-0.5,
-        max(query_lens),
-        max(context_lens),
+    rows = torch.repeat_interleave(torch.arange(len(case.rows)), torch.tensor(query_lens))
+    positions = torch.cat([torch.arange(cached, cached + q_len) for cached, q_len in case.rows])
+    blocks = block_tables[rows, positions // case.block_size].long()
+    slot_mapping = blocks * case.block_size + positions % case.block_size
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        query_start=query_start.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
     )
+    return AttentionInputs(positions.to(device), metadata, kv_cache, query, case.head_dim**-0.5)
 
 
 def attention_bytes(case: AttentionCase, dtype: torch.dtype) -> int:
@@ -94,10 +119,11 @@ def time_cpu(fn: Callable[[], object], repeats: int = 20) -> tuple[float, float]
     return statistics.median(times), min(times)
 
 
-def matmul_decode_attention(query, key_cache, value_cache, query_start, context_lens,
-                            block_tables, scale, *_):  # fmt: skip
+def matmul_decode_attention(inputs: AttentionInputs) -> torch.Tensor:
     """The alternative decode path measured against the kept one: the same gather, then batched
     matmuls and a float32 softmax instead of scaled_dot_product_attention."""
+    query, (key_cache, value_cache) = inputs.query, inputs.kv_cache[0]
+    context_lens, block_tables = inputs.metadata.context_lens, inputs.metadata.block_tables
     num_rows, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_ctx_blocks = -(-int(context_lens.max()) // block_size)
@@ -106,26 +132,27 @@ def matmul_decode_attention(query, key_cache, value_cache, query_start, context_
     keys = key_cache.index_select(0, block_ids).view(num_rows, padded_len, num_kv_heads, head_dim)
     values = value_cache.index_select(0, block_ids).view(keys.shape)
     queries = query.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(queries, keys.permute(0, 2, 3, 1)).float() * scale
+    scores = torch.matmul(queries, keys.permute(0, 2, 3, 1)).float() * inputs.scale
     padding = torch.arange(padded_len) >= context_lens[:, None]
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, -1).to(query.dtype)
     return torch.matmul(probs, values.transpose(1, 2)).reshape(num_rows, num_heads, head_dim)
 
 
-def one_padded_batch(ops, args: tuple) -> None:
-    """The decode rows in one batch padded to the longest context, without length groups."""
+def one_padded_batch_plan(backend, inputs: AttentionInputs):
+    """A plan with the decode rows in one batch padded to the longest context, without length
+    groups."""
     saved = torch_attention.MIN_SAVED_POSITIONS
     torch_attention.MIN_SAVED_POSITIONS = sys.maxsize
     try:
-        ops.paged_attention(*args)
+        return inputs.plan(backend)
     finally:
         torch_attention.MIN_SAVED_POSITIONS = saved
 
 
 def bench_cpu() -> None:
-    ops = get_ops("torch")
-    print(f"PyTorch ops on CPU, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    backend = get_backend("torch")
+    print(f"torch backend on CPU, {torch.get_num_threads()} threads, torch {torch.__version__}")
     smollm = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
     cases = [
         AttentionCase("decode 64 rows x 512 context", [(511, 1)] * 64, **smollm),
@@ -141,29 +168,32 @@ def bench_cpu() -> None:
     ]
     for dtype in (torch.bfloat16, torch.float32):
         for case in cases:
-            args = make_attention_inputs(case, dtype, "cpu")
-            seconds, fastest = time_cpu(lambda args=args: ops.paged_attention(*args))
+            inputs = make_attention_inputs(case, dtype, "cpu")
+            plan_seconds, _ = time_cpu(lambda inputs=inputs: inputs.plan(backend))
+            seconds, fastest = time_cpu(inputs.attention(backend, inputs.plan(backend)))
             line = (
                 f"{str(dtype):15} {case.name:36} {seconds * 1e3:7.2f} ms (min {fastest * 1e3:6.2f})"
                 f"  {attention_bytes(case, dtype) / fastest / 1e9:5.2f} GB/s"
                 f"  {attention_flops(case) / fastest / 1e9:6.1f} GFLOP/s at min"
+                f"  plan {plan_seconds * 1e3:.2f} ms"
             )
             variants = {}
             if len({cached for cached, q_len in case.rows if q_len == 1}) > 1:
-                variants["one padded batch"] = lambda args=args: one_padded_batch(ops, args)
+                padded_plan = one_padded_batch_plan(backend, inputs)
+                variants["one padded batch"] = inputs.attention(backend, padded_plan)
             elif all(q_len == 1 for _, q_len in case.rows):
-                variants["matmul+softmax"] = lambda args=args: matmul_decode_attention(*args)
+                variants["matmul+softmax"] = lambda inputs=inputs: matmul_decode_attention(inputs)
             for name, variant in variants.items():
                 variant_median, variant_min = time_cpu(variant)
                 line += f"  | {name}: {variant_median * 1e3:.2f} (min {variant_min * 1e3:.2f})"
             print(line, flush=True)
-    bench_cpu_small_ops(ops)
+    bench_cpu_small_ops(backend)
 
 
-def bench_cpu_small_ops(ops) -> None:
+def bench_cpu_small_ops(backend) -> None:
     shape = SmallOpShape(num_tokens=512, hidden=576, num_heads=9, num_kv_heads=3, head_dim=64)
     for dtype in (torch.bfloat16, torch.float32):
-        for name, fn, _ in small_op_calls(ops, shape, dtype, "cpu"):
+        for name, fn, _ in small_op_calls(backend, shape, dtype, "cpu"):
             seconds, fastest = time_cpu(fn)
             print(
                 f"{str(dtype):15} {name:22} {shape.num_tokens} tokens"
@@ -181,9 +211,10 @@ class SmallOpShape:
 
 
 def small_op_calls(
-    ops, shape: SmallOpShape, dtype: torch.dtype, device: str
+    backend, shape: SmallOpShape, dtype: torch.dtype, device: str
 ) -> list[tuple[str, Callable[[], object], int]]:
-    """(name, call, bytes moved) for rms_norm, rotary and store_kv."""
+    """(name, call, bytes moved) for rms_norm, rotary and store_kv; the plan and the rotary rows
+    are made once, as for a step."""
     num_tokens, num_heads, num_kv_heads, head_dim = (
         shape.num_tokens, shape.num_heads, shape.num_kv_heads, shape.head_dim
     )  # fmt: skip
@@ -193,30 +224,34 @@ def small_op_calls(
     weight = torch.ones(shape.hidden, dtype=dtype, device=device)
     qkv_heads = num_heads + 2 * num_kv_heads
     qkv = torch.randn(num_tokens, qkv_heads, head_dim, dtype=dtype, device=device)
-    query, key = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
-    value = qkv[:, num_heads + num_kv_heads :]
-    cache = build_cos_sin_cache(head_dim, num_tokens, 10000.0, None).to(device)
+    qk = qkv[:, : num_heads + num_kv_heads]  # query and key heads, rotated at once
+    key, value = qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]
     positions = torch.arange(num_tokens, device=device)
+    cache = build_cos_sin_cache(head_dim, num_tokens, 10000.0, None).to(device)
+    rope = backend.rope(positions, cache)
     num_blocks = 2 * num_tokens // 16
-    key_cache = torch.zeros(num_blocks, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
-    value_cache = torch.zeros_like(key_cache)
-    slots = torch.randperm(num_blocks * 16, device=device)[:num_tokens]
-    rotated_bytes = 2 * num_tokens * (num_heads + num_kv_heads) * head_dim * element
+    kv_cache = torch.zeros(1, 2, num_blocks, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
+    metadata = AttentionMetadata(  # one prompt row, its tokens' K/V stored in random slots
+        slot_mapping=torch.randperm(num_blocks * 16, device=device)[:num_tokens],
+        query_start=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        max_query_len=num_tokens,
+        max_context_len=num_tokens,
+    )
+    plan = backend.plan(positions, metadata, kv_cache, num_tokens)
+    key_cache, value_cache = kv_cache[0]
     return [
-        ("rms_norm", lambda: ops.rms_norm(x, weight, 1e-5), 2 * x.numel() * element),
+        ("rms_norm", lambda: backend.rms_norm(x, weight, 1e-5), 2 * x.numel() * element),
         (
             "rms_norm + residual",
-            lambda: ops.rms_norm(x, weight, 1e-5, residual),
+            lambda: backend.rms_norm(x, weight, 1e-5, residual),
             4 * x.numel() * element,
         ),
-        (
-            "rotary_embedding",
-            lambda: ops.rotary_embedding(positions, query, key, cache),
-            rotated_bytes,
-        ),
+        ("rotary", lambda: backend.rotary(qk, rope), 2 * qk.numel() * element),
         (
             "store_kv",
-            lambda: ops.store_kv(key, value, key_cache, value_cache, slots),
+            lambda: backend.store_kv(key, value, key_cache, value_cache, plan),
             4 * key.numel() * element,
         ),
     ]
@@ -249,7 +284,7 @@ def bench_cuda() -> None:
             line += f"  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s"
         print(line, flush=True)
 
-    triton_ops, torch_ops = get_ops("triton"), get_ops("torch")
+    triton_backend, torch_backend = get_backend("triton"), get_backend("torch")
     llama8b = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
     smollm = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
     cases = [
@@ -263,23 +298,23 @@ def bench_cuda() -> None:
         AttentionCase("decode 64 x 2048, block 128", [(2047, 1)] * 64, block_size=128, **llama8b),
     ]
     for case in cases:
-        args = make_attention_inputs(case, torch.bfloat16, device)
-        ms = bench_ms(lambda args=args: triton_ops.paged_attention(*args))
+        inputs = make_attention_inputs(case, torch.bfloat16, device)
+        ms = bench_ms(inputs.attention(triton_backend, inputs.plan(triton_backend)))
         report(f"attention {case.name}", ms, attention_bytes(case, torch.bfloat16),
                attention_flops(case))  # fmt: skip
     case = cases[0]
-    args = make_attention_inputs(case, torch.bfloat16, device)
-    ms = bench_ms(lambda: torch_ops.paged_attention(*args))
-    report(f"(torch op) attention {case.name}", ms, attention_bytes(case, torch.bfloat16))
+    inputs = make_attention_inputs(case, torch.bfloat16, device)
+    ms = bench_ms(inputs.attention(torch_backend, inputs.plan(torch_backend)))
+    report(f"(torch backend) attention {case.name}", ms, attention_bytes(case, torch.bfloat16))
 
     shape = SmallOpShape(num_tokens=8192, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128)
-    for name, fn, num_bytes in small_op_calls(triton_ops, shape, torch.bfloat16, device):
+    for name, fn, num_bytes in small_op_calls(triton_backend, shape, torch.bfloat16, device):
         report(f"{name}, {shape.num_tokens} tokens (Llama-8B shapes)", bench_ms(fn), num_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="time the PyTorch ops on the CPU")
+    parser.add_argument("--cpu", action="store_true", help="time the torch backend on the CPU")
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default: torch's, all cores)"
     )
@@ -290,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_cpu()
         return 0
     if not torch.cuda.is_available():
-        print("no CUDA GPU: nothing to time (use --cpu for the PyTorch ops on this CPU)")
+        print("no CUDA GPU: nothing to time (use --cpu for the torch backend on this CPU)")
         return 0
     bench_cuda()
     return 0

@@ -1,16 +1,17 @@
-"""Offline throughput: the same workload through splitfuse and through transformers ``generate``.
+"""Offline throughput: the same workloads through splitfuse and through transformers ``generate``.
 
-    python benchmarks/offline_throughput.py                       # 64 x (128 prompt, 256 output)
-    python benchmarks/offline_throughput.py --num-requests 16 --output-len 64   # a quick look
+    python benchmarks/offline_throughput.py                      # 1, 8 and 32 concurrent requests
+    python benchmarks/offline_throughput.py --concurrency 8 --output-len 64   # a quick look
+    python benchmarks/offline_throughput.py --profile            # where a decode step's time goes
 
-In one process and one run: (1) splitfuse ``LLM.generate`` over all requests at once (continuous
-batching, chunked prefill); (2) transformers ``generate`` in padded static batches of
-``--hf-batch-size``; (3) one request alone through each, timing the decode rate after the first
-token. Prompts are random token ids of exactly ``--prompt-len`` tokens; every request generates
-exactly ``--output-len`` tokens (EOS ignored). Prints tokens/s for each and the ratios.
+For each concurrency C, in one process and one run: 2C requests (random token ids of exactly
+``--prompt-len`` tokens, exactly ``--output-len`` output tokens each, EOS ignored) through (1) the
+splitfuse engine with at most C requests in flight (continuous batching, chunked prefill) and
+(2) transformers ``generate`` in padded static batches of C. Prints output tokens/s of each and
+their ratio.
 
-splitfuse compiles its one-token forward at start-up, as ``splitfuse serve`` does (the start-up
-time is printed); ``--no-compile`` runs the eager forward throughout.
+splitfuse compiles its step graphs first, as ``splitfuse serve`` does (the start-up and compile
+times are printed); ``--no-compile`` runs the eager forward throughout.
 """
 
 from __future__ import annotations
@@ -31,56 +32,60 @@ def _prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> 
     ]
 
 
-def run_splitfuse(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
-    from engine import LLM, SamplingParams
+def start_splitfuse(args: argparse.Namespace) -> tuple[object, float, float]:
+    """The engine, its start-up time (ready to serve) and the time until its graphs compiled."""
+    from engine import LLMEngine
+    from engine.config import EngineConfig
 
     start = time.perf_counter()
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        max_batch_tokens=args.max_batch_tokens,
-        max_batch_seqs=max(len(prompts), 1),
-        kv_cache_memory=args.kv_cache_memory,
-        compile=args.compile,
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_batch_tokens=args.max_batch_tokens,
+            kv_cache_memory=args.kv_cache_memory,
+            compile=args.compile,
+        )
     )
-    startup = time.perf_counter() - start
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-
-    start = time.perf_counter()
-    results = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    num_output = sum(len(r.token_ids) for r in results)
-    assert num_output == len(prompts) * args.output_len, num_output
-
-    engine = llm.engine
-    engine.add_request("single", prompts[0], params)
-    step_times = []
-    first_token_time = None
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        step_start = time.perf_counter()
-        outputs = engine.step()
-        if outputs and first_token_time is None:
-            first_token_time = time.perf_counter() - start
-        elif outputs:
-            step_times.append(time.perf_counter() - step_start)
-    return {
-        "throughput": num_output / seconds,
-        "seconds": seconds,
-        "single_decode": 1.0 / statistics.median(step_times),
-        "single_ttft": first_token_time or 0.0,
-        "startup": startup,
-    }
+    ready = time.perf_counter() - start
+    engine.wait_until_compiled()
+    return engine, ready, time.perf_counter() - start
 
 
-def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
+def run_splitfuse(
+    engine: object, prompts: list[list[int]], args: argparse.Namespace, concurrency: int
+) -> float:
+    """Output tokens/s with at most ``concurrency`` requests in flight."""
+    from server.bench import Workload, run_offline
+
+    warmup = Workload(num_prompts=2, input_len=8, output_len=4, vocab_size=args.vocab_size)
+    run_offline(engine, warmup)
+    workload = Workload(
+        num_prompts=len(prompts),
+        input_len=args.prompt_len,
+        output_len=args.output_len,
+        concurrency=concurrency,
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+    )
+    summary = run_offline(engine, workload)
+    assert summary["failed"] == 0, summary["errors"]
+    return summary["output_throughput"]
+
+
+def load_transformers(args: argparse.Namespace) -> object:
     from transformers import AutoModelForCausalLM
 
     from engine.model_resolver import resolve_model
 
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype).eval()
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    return AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype).eval()
+
+
+def run_transformers(
+    model: object, prompts: list[list[int]], args: argparse.Namespace, batch_size: int
+) -> float:
+    """Output tokens/s of ``generate`` over padded static batches of ``batch_size``."""
     pad_id = model.generation_config.pad_token_id or 0
 
     def generate(batch: list[list[int]], num_tokens: int) -> int:
@@ -101,22 +106,9 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict
     generate(prompts[:2], 4)  # warm-up
     start = time.perf_counter()
     num_output = 0
-    for index in range(0, len(prompts), args.hf_batch_size):
-        num_output += generate(prompts[index : index + args.hf_batch_size], args.output_len)
-    seconds = time.perf_counter() - start
-
-    start = time.perf_counter()
-    generate(prompts[:1], 1)
-    first_token = time.perf_counter() - start
-    start = time.perf_counter()
-    generate(prompts[:1], args.output_len)
-    whole = time.perf_counter() - start
-    return {
-        "throughput": num_output / seconds,
-        "seconds": seconds,
-        "single_decode": (args.output_len - 1) / max(whole - first_token, 1e-9),
-        "single_ttft": first_token,
-    }
+    for index in range(0, len(prompts), batch_size):
+        num_output += generate(prompts[index : index + batch_size], args.output_len)
+    return num_output / (time.perf_counter() - start)
 
 
 def profile_steps(args: argparse.Namespace, prompts: list[list[int]]) -> None:
@@ -142,6 +134,7 @@ def profile_steps(args: argparse.Namespace, prompts: list[list[int]]) -> None:
                 compile=args.compile,
             )
         )
+        engine.wait_until_compiled()
         for index, prompt in enumerate(prompts[:num_requests]):
             engine.add_request(str(index), prompt, params)
         engine.step()
@@ -157,10 +150,7 @@ def profile_steps(args: argparse.Namespace, prompts: list[list[int]]) -> None:
             t1 = time.perf_counter()
             inputs = build_model_input(batch, runner.block_size, runner.device)
             t2 = time.perf_counter()
-            logits = runner.model(
-                inputs.input_ids, inputs.positions, inputs.metadata, runner.kv_cache,
-                inputs.sample_rows,
-            )  # fmt: skip
+            logits = runner.run(inputs)
             t3 = time.perf_counter()
             sampled = runner.sampler.sample(logits, batch.sample_request_ids)
             t4 = time.perf_counter()
@@ -178,7 +168,7 @@ def profile_steps(args: argparse.Namespace, prompts: list[list[int]]) -> None:
                 engine.step()
         events = prof.key_averages()
         num_ops = sum(event.count for event in events) / num_steps  # nested operators included
-        num_layers = len(runner.model.layers)
+        num_layers = engine.model_config.num_layers
         print(f"operators per step: {num_ops:.0f} ({num_ops / num_layers:.0f} per layer)")
         print(events.table(sort_by="self_cpu_time_total", row_limit=12))
 
@@ -186,11 +176,10 @@ def profile_steps(args: argparse.Namespace, prompts: list[list[int]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated (1,8,32)")
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--hf-batch-size", type=int, default=8)
+    parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--num-threads", type=int, default=None)
@@ -200,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="compile splitfuse's one-token forward at start-up, as serve does (default: on)",
+        help="compile splitfuse's step graphs first, as serve does (default: on)",
     )
     parser.add_argument(
         "--profile", action="store_true", help="profile decode steps instead of the comparison"
@@ -208,41 +197,38 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    levels = [int(level) for level in args.concurrency.split(",")]
 
     from engine.model_config import ModelConfig
     from engine.model_resolver import resolve_model
 
-    vocab_size = ModelConfig.from_dir(resolve_model(args.model)).vocab_size
-    prompts = _prompts(args.num_requests, args.prompt_len, vocab_size, args.seed)
-    print(
-        f"workload: {args.num_requests} requests x ({args.prompt_len} prompt, {args.output_len} "
-        f"output) tokens, {args.dtype}, {torch.get_num_threads()} threads",
-        file=sys.stderr,
-    )
+    args.vocab_size = ModelConfig.from_dir(resolve_model(args.model)).vocab_size
+    prompts = _prompts(2 * max(levels), args.prompt_len, args.vocab_size, args.seed)
     if args.profile:
-        profile_steps(args, prompts)
+        profile_steps(args, prompts[: max(levels)])
         return 0
-    ours = run_splitfuse(args, prompts)
-    print(f"splitfuse: {ours}", file=sys.stderr, flush=True)
-    theirs = None if args.skip_transformers else run_transformers(args, prompts)
-    print(f"transformers: {theirs}", file=sys.stderr, flush=True)
-
-    print(f"{'':28}{'splitfuse':>12}{'transformers':>14}{'ratio':>8}")
-    rows = [
-        ("throughput (output tok/s)", "throughput"),
-        ("wall time (s)", "seconds"),
-        ("single stream decode tok/s", "single_decode"),
-        ("single stream TTFT (s)", "single_ttft"),
-    ]
-    print(f"splitfuse start-up (s): {ours['startup']:.1f} (compile: {args.compile})")
-    for label, key in rows:
-        mine = ours[key]
-        if theirs is None:
-            print(f"{label:28}{mine:12.2f}")
-            continue
-        other = theirs[key]
-        ratio = mine / other if other else float("nan")
-        print(f"{label:28}{mine:12.2f}{other:14.2f}{ratio:8.2f}")
+    engine, ready, compiled = start_splitfuse(args)
+    dtype = engine.config.dtype
+    print(
+        f"workload: 2C requests x ({args.prompt_len} prompt, {args.output_len} output) tokens, "
+        f"{dtype}, {torch.get_num_threads()} threads; splitfuse ready in {ready:.1f} s, graphs "
+        f"compiled after {compiled:.1f} s ({engine.runner.graphs.mode})"
+    )
+    ours = {c: run_splitfuse(engine, prompts[: 2 * c], args, c) for c in levels}
+    engine.shutdown()
+    del engine
+    theirs: dict[int, float] = {}
+    if not args.skip_transformers:
+        args.dtype = dtype  # the same numbers as ours
+        model = load_transformers(args)
+        theirs = {c: run_transformers(model, prompts[: 2 * c], args, c) for c in levels}
+    print(f"{'concurrency':>12}{'splitfuse tok/s':>17}{'transformers tok/s':>20}{'ratio':>8}")
+    for c in levels:
+        other = theirs.get(c)
+        cells = f"{c:12d}{ours[c]:17.1f}"
+        if other:
+            cells += f"{other:20.1f}{ours[c] / other:8.2f}"
+        print(cells)
     return 0
 
 

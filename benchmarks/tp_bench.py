@@ -27,15 +27,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.distributed import (
+from engine.input_builder import build_model_input
+from engine.tensor_parallel.distributed import (
     DistributedSetup,
     connect_loopback_store,
     join_process_group,
     leave_process_group,
     open_loopback_store,
 )
-from engine.input_builder import build_model_input
-from engine.tp_protocol import HEADER_SIZE, pack_model_input
+from engine.tensor_parallel.protocol import HEADER_SIZE, pack_model_input
 from scheduler.batch import BatchRow, ScheduledBatch
 
 # SmolLM2-135M

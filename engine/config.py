@@ -65,8 +65,9 @@ class EngineConfig(BaseModel):
     seed: int = 0
     compile: bool = Field(
         False,
-        description="compile the one-token (single request) forward at start-up: CPU, torch "
-        "backend, one process; about a minute for the default model on 2 cores",
+        description="compile the step graphs (CPU, torch backend, one process): in the "
+        "background from start-up, steps run eagerly until they are ready (about a minute for "
+        "the default model on 2 cores)",
     )
     num_threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
 

@@ -34,13 +34,27 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_runs_bf16() -> bool:
+    """bfloat16 matrix products run in hardware here: the CPU has AMX or AVX-512 BF16, and
+    oneDNN packs a bfloat16 weight (it refuses where its ISA is limited below those, e.g. by
+    ``ONEDNN_MAX_CPU_ISA``; bfloat16 would then be emulated, several times slower)."""
+    if not cpu_flags() & set(BF16_CPU_FLAGS) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> bfloat16 on GPUs and on CPUs with bf16 hardware, else float32."""
+    """``auto`` -> bfloat16 on GPUs and on CPUs that run it in hardware, else float32."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_flags() & set(BF16_CPU_FLAGS) else torch.float32
+    return torch.bfloat16 if cpu_runs_bf16() else torch.float32
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

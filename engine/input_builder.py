@@ -22,19 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.metadata import AttentionMetadata
 from scheduler.batch import ScheduledBatch
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Where each token's K/V goes and what each row attends to (see the module docstring)."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    query_start: torch.Tensor  # [num_rows + 1] int32
-    context_lens: torch.Tensor  # [num_rows] int32
-    block_tables: torch.Tensor  # [num_rows, max_blocks] int32
-    max_query_len: int
-    max_context_len: int
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.packed_linear import can_pack, pack_weight, packed_linear
+from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 
 
@@ -28,7 +28,8 @@ def _shape(loaded: Any) -> tuple[int, ...]:
 
 class MatmulLayer(nn.Module):
     """A layer with a ``weight`` [out_features, in_features] that ``pack_weights()`` can replace
-    by a packed copy once loaded (bfloat16 on a CPU, see ``engine/packed_linear.py``)."""
+    by a packed copy once loaded (float32, and bfloat16 where the CPU has bfloat16 hardware; see
+    ``engine/packed_linear.py``)."""
 
     weight: nn.Parameter
     # True where ``weight`` is another module's parameter too (an LM head tied to the embedding)
@@ -36,24 +37,25 @@ class MatmulLayer(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
 
     def pack_weights(self) -> None:
-        """Call after loading (and after compiling, ``engine/compiled_forward.py``): the layer
-        then multiplies with the packed copy. The weight stays the same parameter object, which
-        a compiled graph's guards may check, but gives its storage up (a weight another module
-        shares keeps it)."""
+        """Call once, after loading: the layer then multiplies with the packed copy, and the
+        weight parameter gives its storage up (a weight another module shares keeps it)."""
         if self.packed_weight is None and can_pack(self.weight):
-            self.packed_weight = pack_weight(self.weight)
+            self.packed_out_features = self.weight.shape[0]
+            self.packed_weight = PackedWeight(self.weight)
             if not self.shares_weight:
                 self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # A compiled graph multiplies with the weight parameter (inductor packs a constant of
-        # its own) and never reads packed_weight, so packing later changes nothing it checks.
-        if not torch.compiler.is_compiling() and self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
-        return F.linear(x, self.weight, bias)
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, bias)
+        if torch.compiler.is_compiling():  # the graph calls the operator (no copy of the weight)
+            return torch.ops.splitfuse.packed_linear(
+                x, self.packed_weight, self.packed_out_features, bias
+            )
+        return packed_linear(x, self.packed_weight, self.packed_out_features, bias)
 
 
 def _copy_checked(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
@@ -83,7 +85,8 @@ class ColumnParallelLinear(MatmulLayer):
         shard_ranges: list[tuple[int, int]] | None = None,
     ) -> None:
         """``shard_ranges``: this rank's ``(start, size)`` of each part, for uneven splits
-        (attention heads, see ``engine/tp_sharding.py``); default: even shares in rank order."""
+        (attention heads, see ``engine/tensor_parallel/sharding.py``); default: even shares in
+        rank order."""
         super().__init__()
         self.parallel = parallel
         self.input_size = input_size

@@ -62,6 +62,7 @@ class LLM:
         if model is not None:
             config["model"] = model
         self.engine = LLMEngine(EngineConfig(**config))
+        self.engine.wait_until_compiled()  # offline: every step runs the graphs, if asked for
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

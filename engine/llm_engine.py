@@ -1,7 +1,8 @@
-"""The engine: a scheduler, a model runner and the three-call step between them.
+"""The engine: a scheduler, an executor (the model runner, on every rank) and the three-call step
+between them.
 
     batch   = scheduler.schedule()         # which tokens of which requests run now
-    sampled = runner.execute(batch)        # one ragged forward + sampling
+    sampled = executor.execute(batch)      # one ragged forward + sampling
     done    = scheduler.update(batch, ...) # append tokens, finish, free blocks
 
 Not thread-safe: one thread (the server's engine thread, or ``LLM.generate``) calls every method.
@@ -19,12 +20,11 @@ from transformers import AutoTokenizer
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.device import resolve_attention_backend, resolve_device, resolve_dtype
+from engine.executor import ExecutorFailedError, start_executor
 from engine.model_config import ModelConfig
 from engine.model_resolver import resolve_model
-from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.tp_group import TensorParallelGroup, start_tensor_parallel
-from engine.tp_sharding import check_tensor_parallel
+from engine.tensor_parallel.sharding import check_tensor_parallel
 from kv_cache import KVCacheManager
 from scheduler.batch import ScheduledBatch
 from scheduler.request import Request, RequestStatus
@@ -98,15 +98,10 @@ class LLMEngine:
             seed=config.seed,
             compile=config.compile,
         )
-        # rank 0 of a tensor-parallel group, or None on one process
-        self.tp_group: TensorParallelGroup | None = None
-        self.runner: ModelRunner
-        if config.tensor_parallel_size > 1:
-            self.tp_group, self.runner = start_tensor_parallel(
-                config.tensor_parallel_size, runner_kwargs, config.num_threads
-            )
-        else:
-            self.runner = ModelRunner(**runner_kwargs)
+        self.executor = start_executor(
+            config.tensor_parallel_size, runner_kwargs, config.num_threads
+        )
+        self.runner = self.executor.runner
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.kv_manager = KVCacheManager(
             self.num_kv_blocks,
@@ -160,8 +155,13 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
-        self.runner.drop_requests([request_id])
+        self.executor.drop_requests([request_id])
         return _output(request, [], None)
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Blocks until the step graphs are compiled (or failed to: steps stay eager), at most
+        ``timeout`` seconds; True when compiling is over. Steps run meanwhile, eagerly."""
+        return self.runner.graphs.wait(timeout)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -172,17 +172,15 @@ class LLMEngine:
         """One schedule / execute / update. Returns a delta per request that got a token or
         ended; [] when idle. A forward pass that raises fails its batch's requests alone."""
         start = time.perf_counter()
-        if self.tp_group is not None:
-            self.tp_group.check_alive()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            self.runner.drop_requests(list(batch.finished_request_ids))
+            self.executor.drop_requests(list(batch.finished_request_ids))
             return []
         try:
-            sampled = self.runner.execute(batch)
+            sampled = self.executor.execute(batch)
+        except ExecutorFailedError:
+            raise  # e.g. a tensor-parallel rank is gone: no later step can run
         except Exception as error:  # noqa: BLE001 - the step must survive and report it
-            if self.tp_group is not None:
-                raise  # the ranks are out of step: no later step can run
             logger.exception("a step of %d tokens failed", batch.num_tokens)
             return self._fail_batch(batch, error)
         requests = self.scheduler.update(batch, sampled.token_ids)
@@ -210,19 +208,17 @@ class LLMEngine:
             request = self.scheduler.abort(row.request_id, RequestStatus.FINISHED_ERROR)
             if request is not None:
                 outputs.append(_output(request, [], None, error=message))
-        self.runner.drop_requests([row.request_id for row in batch.rows])
+        self.executor.drop_requests([row.request_id for row in batch.rows])
         return outputs
 
     def add_fatal_listener(self, listener: Callable[[str], None]) -> None:
         """``listener(message)`` is called (from another thread) if the engine can no longer run,
         such as when a tensor-parallel worker dies; later steps raise."""
-        if self.tp_group is not None:
-            self.tp_group.add_failure_listener(listener)
+        self.executor.add_failure_listener(listener)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers, if any. Idempotent."""
-        if self.tp_group is not None:
-            self.tp_group.shutdown()
+        self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         return EngineStats(

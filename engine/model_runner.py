@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine.compiled_forward import compile_unsupported
-from engine.input_builder import AttentionMetadata, build_model_input
+from engine.input_builder import ModelInput, build_model_input
 from engine.kv_cache_memory import (
     allocate_kv_cache,
     bytes_per_block,
@@ -24,9 +23,10 @@ from engine.model_config import ModelConfig
 from engine.models import MODEL_CLASSES
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 from engine.sampler import Sampler, SamplerOutput
-from engine.tp_sharding import shard_heads
+from engine.step_graphs import StepGraphs, compile_unsupported
+from engine.tensor_parallel.sharding import shard_heads
 from engine.weights import iterate_weights
-from kernels import get_ops
+from kernels import AttentionMetadata, get_backend
 from scheduler.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -59,11 +59,13 @@ class ModelRunner:
         self.parallel = parallel
         start = time.perf_counter()
         model_class = MODEL_CLASSES[model_config.architecture]
+        self.backend = get_backend(attention_backend)
+        self.max_position = max_model_len
         with torch.device(device):
             self.model = model_class(
                 model_config,
                 dtype=dtype,
-                ops=get_ops(attention_backend),
+                backend=self.backend,
                 max_position=max_model_len,
                 parallel=parallel,
             )
@@ -106,40 +108,33 @@ class ModelRunner:
             num_kv_blocks * block_size,
             num_kv_blocks * block_bytes / 2**20,
         )
-        if compile:
-            self._compile_one_token(attention_backend)
         for module in self.model.modules():
             if isinstance(module, MatmulLayer):
-                module.pack_weights()  # bfloat16 on a CPU: oneDNN layout, once
+                module.pack_weights()  # on a CPU: oneDNN layout, once
+        unsupported = compile_unsupported(device, attention_backend, parallel.world_size)
+        self.graphs = StepGraphs(self.model, compile, unsupported)
+        self.graphs.start(self._dummy_step)
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)
 
-    def _compile_one_token(self, attention_backend: str) -> None:
-        """Compiles the one-token forward (``engine/compiled_forward.py``) by running it once on
-        a dummy decode at slot 0, before any request holds a block. Where it cannot run, or its
-        compilation fails, the eager forward serves every step (logged)."""
-        reason = compile_unsupported(self.device, attention_backend, self.parallel.world_size)
-        if reason:
-            logger.info("compile: not used (%s)", reason)
-            return
-        start = time.perf_counter()
-        self.model.compile_one_token()
+    def _dummy_step(self, num_tokens: int) -> tuple:
+        """The forward's arguments for a step of ``num_tokens`` prompt tokens over a scratch KV
+        cache of a few blocks (compiling the graphs while requests run in the real one)."""
         device = self.device
-        dummy = torch.zeros(1, dtype=torch.int64, device=device)
+        num_blocks = -(-num_tokens // self.block_size)
+        scratch = torch.zeros_like(self.kv_cache[:, :, :num_blocks])  # [layers, 2, blocks, ...]
+        tokens = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        positions = torch.arange(num_tokens, device=device)
         metadata = AttentionMetadata(
-            slot_mapping=dummy,
-            query_start=torch.tensor([0, 1], dtype=torch.int32, device=device),
-            context_lens=torch.ones(1, dtype=torch.int32, device=device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-            max_query_len=1,
-            max_context_len=1,
+            slot_mapping=positions.clone(),
+            query_start=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+            max_query_len=num_tokens,
+            max_context_len=num_tokens,
         )
-        try:
-            self.model(dummy, dummy, metadata, self.kv_cache, dummy)
-        except Exception:  # a compiler failure must not take serving down: eager still works
-            logger.exception("compile: the one-token forward failed to compile; running eager")
-            self.model.one_token_forward = None
-            return
-        logger.info("compile: one-token forward compiled in %.1f s", time.perf_counter() - start)
+        plan = self.backend.plan(positions, metadata, scratch, self.max_position)
+        sample_rows = torch.tensor([num_tokens - 1], device=device)
+        return tokens, positions, plan, sample_rows
 
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Runs the batch's forward pass and samples one token per sampling row (row order)."""
@@ -153,10 +148,16 @@ class ModelRunner:
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's logits for its sampling rows, float32 ``[num_sampled, vocab_size]``."""
-        inputs = build_model_input(batch, self.block_size, self.device)
-        return self.model(
-            inputs.input_ids, inputs.positions, inputs.metadata, self.kv_cache, inputs.sample_rows
+        return self.run(build_model_input(batch, self.block_size, self.device))
+
+    def run(self, inputs: ModelInput) -> torch.Tensor:
+        """One forward pass over the flat inputs: plans the step's attention (checks, indices),
+        then runs the model as ``self.graphs`` decides."""
+        plan = self.backend.plan(
+            inputs.positions, inputs.metadata, self.kv_cache, self.max_position
         )
+        with torch.inference_mode():
+            return self.graphs(inputs.input_ids, inputs.positions, plan, inputs.sample_rows)
 
     def drop_requests(self, request_ids: list[str]) -> None:
         """Forgets sampling state (for requests that ended outside a batch: aborts, errors)."""

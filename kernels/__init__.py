@@ -1,25 +1,81 @@
-"""Attention, KV-store, RMSNorm and rotary ops behind one signature per op, two backends.
+"""Attention backends: one object per backend, with one signature per op.
 
-``get_ops("torch")`` is the PyTorch implementation (CPU runtime path and reference);
-``get_ops("triton")`` the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``), imported only
-when asked for. Both expose ``store_kv``, ``paged_attention``, ``rms_norm``, ``rotary_embedding``.
+``get_backend("torch")`` is the PyTorch implementation (CPU runtime path and the reference);
+``get_backend("triton")`` the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``), imported
+only when asked for. Both have the shape of ``AttentionBackend``: ``plan`` once per step (checks,
+indices), ``rope`` once per step, then per layer ``rms_norm``, ``rotary`` and ``attend`` (the K/V
+store and paged attention; ``store_kv`` and ``paged_attention`` are its two halves).
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from typing import Any, Protocol
+
+import torch
 
 from kernels.checks import KernelInputError
+from kernels.metadata import AttentionMetadata
 from kernels.rope import build_cos_sin_cache
 
-__all__ = ["BACKENDS", "KernelInputError", "build_cos_sin_cache", "get_ops"]
+__all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "KernelInputError",
+    "build_cos_sin_cache",
+    "get_backend",
+]
 
-BACKENDS = {"torch": "kernels.torch_ops", "triton": "kernels.triton_ops"}
+# backend name -> (module, class)
+BACKENDS = {
+    "torch": ("kernels.torch_backend", "TorchBackend"),
+    "triton": ("kernels.triton_backend", "TritonBackend"),
+}
 
 
-def get_ops(backend: str) -> ModuleType:
-    """The module implementing the four ops for ``backend`` ("torch" or "triton")."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {backend!r} (choices: {', '.join(BACKENDS)})")
-    return importlib.import_module(BACKENDS[backend])
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(
+        self,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        max_position: int,
+    ) -> Any: ...
+
+    def rope(
+        self, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotary(
+        self, heads: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        plan: Any,
+        layer: int,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """A new backend object for ``name`` ("torch" or "triton")."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r} (choices: {', '.join(BACKENDS)})")
+    module, cls = BACKENDS[name]
+    backend: AttentionBackend = getattr(importlib.import_module(module), cls)()
+    return backend

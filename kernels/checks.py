@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.metadata import AttentionMetadata
+
 
 class KernelInputError(ValueError):
     """An op was called with tensors of the wrong shape, dtype, device or layout."""
@@ -48,15 +50,87 @@ def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> Non
     )
 
 
-def check_store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
+def check_kv_cache(kv_cache: torch.Tensor) -> None:
+    _require(
+        kv_cache.dim() == 6 and kv_cache.shape[1] == 2,
+        "kv_cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], "
+        f"got {tuple(kv_cache.shape)}",
+    )
+    _require(kv_cache.is_floating_point(), f"kv_cache must be floating, got {kv_cache.dtype}")
+    _require(kv_cache.is_contiguous(), "kv_cache must be contiguous")
+
+
+def check_metadata(
+    positions: torch.Tensor, metadata: AttentionMetadata, device: torch.device
+) -> None:
+    """The metadata's dtypes, shapes and devices agree with each other (values: the plan's)."""
+    _check_index("positions", positions, torch.int64, 1)
+    _check_index("slot_mapping", metadata.slot_mapping, torch.int64, 1)
+    _check_index("query_start", metadata.query_start, torch.int32, 1)
+    _check_index("context_lens", metadata.context_lens, torch.int32, 1)
+    _check_index("block_tables", metadata.block_tables, torch.int32, 2)
+    num_tokens, num_rows = positions.shape[0], metadata.context_lens.shape[0]
+    _require(
+        metadata.slot_mapping.shape[0] == num_tokens,
+        f"slot_mapping has {metadata.slot_mapping.shape[0]} slots for {num_tokens} tokens",
+    )
+    _require(
+        metadata.query_start.shape[0] == num_rows + 1,
+        f"query_start has {metadata.query_start.shape[0]} entries for {num_rows} rows "
+        "(expected rows + 1)",
+    )
+    _require(
+        metadata.block_tables.shape[0] == num_rows,
+        f"block_tables has {metadata.block_tables.shape[0]} rows, context_lens {num_rows}",
+    )
+    for name in ("slot_mapping", "query_start", "context_lens", "block_tables"):
+        _check_device(name, getattr(metadata, name), device)
+    _check_device("positions", positions, device)
+    max_query_len, max_context_len = metadata.max_query_len, metadata.max_context_len
+    _require(
+        isinstance(max_query_len, int) and isinstance(max_context_len, int),
+        "max_query_len and max_context_len must be Python ints",
+    )
+    _require(
+        0 <= max_query_len <= max(max_context_len, 0),
+        f"max_query_len {max_query_len} must be in [0, max_context_len {max_context_len}]",
+    )
+
+
+def check_attention_inputs(
+    query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> None:
+    """A layer's query and caches (``[num_blocks, block_size, num_kv_heads, head_dim]`` each)."""
     _check_cache_pair(key_cache, value_cache)
-    device = key_cache.device
+    head_dim, num_kv_heads = key_cache.shape[3], key_cache.shape[2]
+    _require(
+        query.dim() == 3 and query.shape[2] == head_dim,
+        f"query must be [num_tokens, num_heads, {head_dim}], got {tuple(query.shape)}",
+    )
+    _require(
+        query.shape[1] % num_kv_heads == 0,
+        f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}",
+    )
+    _require(query.dtype == key_cache.dtype, f"query is {query.dtype}, cache {key_cache.dtype}")
+    _check_device("query", query, key_cache.device)
+    _require(query.stride(-1) == 1, "query must have a unit stride in head_dim")
+    if out is not None:
+        _require(
+            out.shape == query.shape and out.dtype == query.dtype,
+            f"out must be {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}",
+        )
+        _check_device("out", out, key_cache.device)
+        _require(out.stride(-1) == 1, "out must have a unit stride in head_dim")
+
+
+def check_kv_inputs(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> None:
+    """A layer's new K/V ``[num_tokens, num_kv_heads, head_dim]`` against its caches."""
+    _check_cache_pair(key_cache, value_cache)
     for name, tensor in (("key", key), ("value", value)):
         _require(
             tensor.dim() == 3 and tensor.shape[1:] == key_cache.shape[2:],
@@ -67,80 +141,9 @@ def check_store_kv(
             tensor.dtype == key_cache.dtype,
             f"{name} is {tensor.dtype}, the cache is {key_cache.dtype}",
         )
-        _check_device(name, tensor, device)
+        _check_device(name, tensor, key_cache.device)
         _require(tensor.stride(-1) == 1, f"{name} must have a unit stride in head_dim")
     _require(value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}")
-    _check_index("slot_mapping", slot_mapping, torch.int64, 1)
-    _require(
-        slot_mapping.shape[0] == key.shape[0],
-        f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens",
-    )
-    _check_device("slot_mapping", slot_mapping, device)
-
-
-def check_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    query_start: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    max_query_len: int,
-    max_context_len: int,
-    out: torch.Tensor | None,
-) -> None:
-    _check_cache_pair(key_cache, value_cache)
-    device = key_cache.device
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    _require(
-        query.dim() == 3 and query.shape[2] == head_dim,
-        f"query must be [num_tokens, num_heads, {head_dim}], got {tuple(query.shape)}",
-    )
-    _require(
-        query.shape[1] % num_kv_heads == 0,
-        f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}",
-    )
-    _require(query.dtype == key_cache.dtype, f"query is {query.dtype}, cache {key_cache.dtype}")
-    _check_device("query", query, device)
-    _require(query.stride(-1) == 1, "query must have a unit stride in head_dim")
-    _check_index("query_start", query_start, torch.int32, 1)
-    _check_index("context_lens", context_lens, torch.int32, 1)
-    _check_index("block_tables", block_tables, torch.int32, 2)
-    num_rows = context_lens.shape[0]
-    _require(
-        query_start.shape[0] == num_rows + 1,
-        f"query_start has {query_start.shape[0]} entries for {num_rows} rows (expected rows + 1)",
-    )
-    _require(
-        block_tables.shape[0] == num_rows,
-        f"block_tables has {block_tables.shape[0]} rows, context_lens {num_rows}",
-    )
-    for name, tensor in (
-        ("query_start", query_start),
-        ("context_lens", context_lens),
-        ("block_tables", block_tables),
-    ):
-        _check_device(name, tensor, device)
-    _require(
-        isinstance(max_query_len, int) and isinstance(max_context_len, int),
-        "max_query_len and max_context_len must be Python ints",
-    )
-    _require(
-        0 <= max_query_len <= max(max_context_len, 0),
-        f"max_query_len {max_query_len} must be in [0, max_context_len {max_context_len}]",
-    )
-    capacity = block_tables.shape[1] * block_size
-    _require(
-        max_context_len <= capacity,
-        f"max_context_len {max_context_len} exceeds the block tables' capacity {capacity}",
-    )
-    if out is not None:
-        _require(
-            out.shape == query.shape and out.dtype == query.dtype,
-            f"out must be {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}",
-        )
-        _check_device("out", out, device)
-        _require(out.stride(-1) == 1, "out must have a unit stride in head_dim")
 
 
 def check_rms_norm(
@@ -165,24 +168,14 @@ def check_rms_norm(
         _require(residual.stride(-1) == 1, "residual must have a unit stride in hidden")
 
 
-def check_rotary_embedding(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> None:
+def check_rotary(heads: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     _require(
-        query.dim() == 3,
-        f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}",
+        heads.dim() == 3,
+        f"heads must be [num_tokens, num_heads, head_dim], got {tuple(heads.shape)}",
     )
-    _require(
-        key.dim() == 3, f"key must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}"
-    )
-    num_tokens, _, head_dim = query.shape
-    _require(
-        key.shape[0] == num_tokens and key.shape[2] == head_dim,
-        f"key {tuple(key.shape)} does not match query {tuple(query.shape)}",
-    )
+    num_tokens, _, head_dim = heads.shape
     _require(head_dim % 2 == 0, f"head_dim must be even, got {head_dim}")
-    _require(key.dtype == query.dtype, f"key is {key.dtype}, query is {query.dtype}")
-    _require(query.is_floating_point(), f"query must be a floating tensor, got {query.dtype}")
+    _require(heads.is_floating_point(), f"heads must be a floating tensor, got {heads.dtype}")
     _check_index("positions", positions, torch.int64, 1)
     _require(
         positions.shape[0] == num_tokens,
@@ -197,9 +190,6 @@ def check_rotary_embedding(
         f"cos_sin_cache must be float32, got {cos_sin_cache.dtype}",
     )
     _require(cos_sin_cache.is_contiguous(), "cos_sin_cache must be contiguous")
-    for name, tensor in (("key", key), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
-        _check_device(name, tensor, query.device)
-    _require(
-        query.stride(-1) == 1 and key.stride(-1) == 1,
-        "query and key must have a unit stride in head_dim",
-    )
+    for name, tensor in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        _check_device(name, tensor, heads.device)
+    _require(heads.stride(-1) == 1, "heads must have a unit stride in head_dim")

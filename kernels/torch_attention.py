@@ -3,13 +3,15 @@
 Decode rows (one query token) are computed together: their contexts are gathered through the block
 tables into one padded batch, grouped by length when padding to the longest would waste much, and
 attended with one ``scaled_dot_product_attention`` call per group under a length mask. Prompt
-chunks (several query tokens) are computed one row each, causally, with the diagonal shifted by
-the row's cached prefix.
+chunks (several query tokens) are computed together too, in power-of-two context-length groups:
+queries padded to the group's longest chunk, under a mask that is causal relative to each row's
+cached prefix. A layer's attention is therefore a bounded number of calls, whatever the number of
+requests in the step.
 
 Everything that depends on the batch alone (the rows' kinds, the cache slot of every context
 position, the masks, the length groups, the checks of the metadata's values) is worked out once
-per step by ``plan_paged_attention``; ``paged_attention_planned`` then costs each layer a few
-operators per group. ``paged_attention`` is the one-call form (plan, then run).
+per step by ``plan_paged_attention``; ``paged_attention`` then costs each layer a few operators
+per group.
 
 The caches are read as ``[num_slots * num_kv_heads, head_dim]``: a gather by (slot, head) index
 lands K/V directly in the ``[rows, num_kv_heads, context, head_dim]`` layout attention wants.
@@ -27,12 +29,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.checks import KernelInputError, check_paged_attention
+from kernels.checks import KernelInputError
 
-__all__ = ["AttentionPlan", "paged_attention", "paged_attention_planned", "plan_paged_attention"]
+__all__ = ["AttentionPlan", "paged_attention", "plan_paged_attention"]
 
 # Split decode rows into length groups only when that avoids gathering this many padding positions.
 MIN_SAVED_POSITIONS = 2048
+# Prompt groups of at least twice this many query slots attend in query chunks of this many, each
+# over the context its last query sees: causal attention skips the keys past the chunk, which
+# torch's CPU flash kernel does not (512 x 512, 9 heads, bfloat16 on 2 cores: 3.8 -> 2.8 ms).
+QUERY_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,27 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
-class PromptRow:
-    """One prompt chunk: query tokens start .. end - 1 over context positions 0 .. ctx_len - 1."""
+class PromptGroup:
+    """Prompt chunks attended in one call: queries padded to the group's longest chunk, contexts
+    to its longest context, and a mask that is causal relative to each row's cached prefix.
 
-    start: int
-    end: int
-    ctx_len: int
-    kv_rows: torch.Tensor  # [num_kv_heads * ctx_len] int64 (slot, head) rows of the caches
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool when a cached prefix shifts the diagonal
+    Two rows, (cached 2, query 2) and (cached 0, query 3): padded_q 3, padded_len 4
+        query_rows [[t0, t1, t1], [t2, t3, t4]]   (padding repeats a row's last token)
+        mask row 0: [[1,1,1,0], [1,1,1,1], [1,1,1,1]]   (position 2 + i sees 0 .. 2 + i)
+        mask row 1: [[1,0,0,0], [1,1,0,0], [1,1,1,0]]
+    """
+
+    query_rows: torch.Tensor  # [num_rows * padded_q] int64 token index of each query slot
+    kv_rows: torch.Tensor  # [num_rows * num_kv_heads * padded_len] int64 (slot, head) rows
+    mask: torch.Tensor | None  # [num_rows, 1, padded_q, padded_len] bool; None: plain causal
+    valid: torch.Tensor | slice  # [num_group_tokens] index of each real query slot
+    tokens: torch.Tensor | slice  # [num_group_tokens] its token index in the query
+    num_rows: int
+    padded_q: int
+    padded_len: int
+    # (first query slot, end, context length it reads, mask [num_rows, 1, end - first, length])
+    # per query chunk; () when the group attends in one call
+    query_chunks: tuple[tuple[int, int, int, torch.Tensor], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,49 +85,16 @@ class AttentionPlan:
     block_size: int
     num_kv_heads: int
     decode_groups: tuple[DecodeGroup, ...]
-    prompt_rows: tuple[PromptRow, ...]
+    prompt_groups: tuple[PromptGroup, ...]
 
-
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    query_start: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    max_context_len: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of a ragged batch (prompt chunks and decodes) over the paged KV cache.
-
-    Row r owns query tokens ``query_start[r] .. query_start[r + 1] - 1``; its i-th of q_len tokens
-    sits at position ``context_lens[r] - q_len + i`` and attends to positions 0 .. that position,
-    whose K/V are already in the cache. Single-token rows (decodes) are computed together (in
-    length groups); rows of several tokens (prompt chunks) one call each. Row lengths are checked
-    before anything is written.
-    """
-    check_paged_attention(
-        query,
-        key_cache,
-        value_cache,
-        query_start,
-        context_lens,
-        block_tables,
-        max_query_len,
-        max_context_len,
-        out,
-    )
-    plan = plan_paged_attention(
-        query_start,
-        context_lens,
-        block_tables,
-        block_size=key_cache.shape[1],
-        num_kv_heads=key_cache.shape[2],
-        num_tokens=query.shape[0],
-    )
-    return paged_attention_planned(query, key_cache, value_cache, plan, scale, out)
+    @property
+    def sole_decode_group(self) -> DecodeGroup | None:
+        """The decode group when it is the step's every token, in order (a step of decodes
+        alone): its attention is then the whole output, with no copy into it."""
+        if len(self.decode_groups) != 1 or self.prompt_groups:
+            return None
+        group = self.decode_groups[0]
+        return group if group.tokens == slice(0, self.num_tokens) else None
 
 
 def plan_paged_attention(
@@ -163,10 +149,8 @@ def plan_paged_attention(
         for rows in _decode_groups(decode_rows, ctx_lens, block_size)
     )
     prompts = tuple(
-        _plan_prompt_row(
-            starts[row], starts[row + 1], ctx_lens[row], tables[row], block_size, heads
-        )
-        for row in prompt_rows
+        _plan_prompt_group(rows, starts, ctx_lens, tables, block_size, heads)
+        for rows in _prompt_groups(prompt_rows, ctx_lens, block_size)
     )
     return AttentionPlan(num_tokens, block_size, num_kv_heads, groups, prompts)
 
@@ -181,6 +165,13 @@ def _decode_groups(decode_rows: list[int], ctx_lens: list[int], block_size: int)
         return [decode_rows]
     num_blocks = [-(-length // block_size) for length in lengths]
     return [[decode_rows[i] for i in group] for group in length_groups(num_blocks)]
+
+
+def _prompt_groups(prompt_rows: list[int], ctx_lens: list[int], block_size: int) -> list[list[int]]:
+    """Prompt rows in power-of-two context-length groups: a bounded number of calls per layer
+    whatever the number of chunks, each padded to at most twice its shortest context."""
+    num_blocks = [-(-ctx_lens[row] // block_size) for row in prompt_rows]
+    return [[prompt_rows[i] for i in group] for group in length_groups(num_blocks)]
 
 
 def _plan_decode_group(
@@ -209,20 +200,67 @@ def _plan_decode_group(
     return DecodeGroup(token_index, kv_rows, mask, len(rows), padded_len)
 
 
-def _plan_prompt_row(
-    start: int, end: int, ctx_len: int, table: torch.Tensor, block_size: int, heads: torch.Tensor
-) -> PromptRow:
-    positions = torch.arange(ctx_len, device=table.device)  # [ctx_len]
-    slots = table[positions // block_size] * block_size + positions % block_size  # [ctx_len]
-    kv_rows = (slots * heads.shape[0] + heads).reshape(-1)  # [num_kv_heads * ctx_len]
-    mask = None
-    q_len = end - start
-    if ctx_len > q_len:  # a cached prefix: the causal diagonal is shifted by ctx_len - q_len
-        mask = positions[None, :] <= positions[ctx_len - q_len :, None]  # [q_len, ctx_len]
-    return PromptRow(start, end, ctx_len, kv_rows, mask)
+def _plan_prompt_group(
+    rows: list[int],
+    starts: list[int],
+    ctx_lens: list[int],
+    tables: torch.Tensor,  # [num_rows, max_blocks_per_row] int64
+    block_size: int,
+    heads: torch.Tensor,  # [num_kv_heads, 1] int64
+) -> PromptGroup:
+    device = tables.device
+    q_lens = [starts[row + 1] - starts[row] for row in rows]
+    lengths = [ctx_lens[row] for row in rows]
+    padded_q, padded_len = max(q_lens), max(lengths)
+    first = torch.tensor([starts[row] for row in rows], device=device)[:, None]  # [n, 1]
+    q_len = torch.tensor(q_lens, device=device)[:, None]  # [n, 1]
+    ctx_len = torch.tensor(lengths, device=device)[:, None]  # [n, 1]
+    query_pos = torch.arange(padded_q, device=device)  # [padded_q]
+    query_rows = first + torch.minimum(query_pos, q_len - 1)  # [n, padded_q]
+    positions = torch.arange(padded_len, device=device)  # [padded_len]
+    inside = positions < ctx_len  # [n, padded_len]
+    clamped = positions * inside  # padding reads the row's position 0: written, finite
+    block_ids = tables[torch.tensor(rows, device=device)].gather(1, clamped // block_size)
+    slots = block_ids * block_size + clamped % block_size  # [n, padded_len]
+    kv_rows = (slots[:, None, :] * heads.shape[0] + heads).reshape(-1)
+    # query slot i of a row sits at position ctx_len - q_len + i
+    last_seen = (ctx_len - q_len)[:, :, None] + query_pos[None, :, None]  # [n, padded_q, 1]
+    full_mask = ((positions[None, None, :] <= last_seen) & inside[:, None, :])[:, None]
+    mask = None  # [n, 1, padded_q, padded_len]; None: plain causal (SDPA's is_causal)
+    if any(q != padded_q or n != padded_len for q, n in zip(q_lens, lengths, strict=True)) or (
+        padded_q != padded_len
+    ):
+        mask = full_mask
+    query_chunks = []
+    if padded_q >= 2 * QUERY_CHUNK:
+        # the first position no query of the chunk sees: max over rows of ctx_len - q_len + end
+        offset = max(n - q for q, n in zip(q_lens, lengths, strict=True))
+        for first in range(0, padded_q, QUERY_CHUNK):
+            end = min(first + QUERY_CHUNK, padded_q)
+            length = min(offset + end, padded_len)
+            query_chunks.append((first, end, length, full_mask[:, :, first:end, :length]))
+    real = query_pos[None, :] < q_len  # [n, padded_q]
+    tokens = [t for row in rows for t in range(starts[row], starts[row + 1])]
+    valid: torch.Tensor | slice = real.reshape(-1).nonzero().squeeze(1)
+    token_index: torch.Tensor | slice = torch.tensor(tokens, device=device)
+    if len(rows) == 1 or all(q == padded_q for q in q_lens):
+        valid = slice(0, len(tokens))
+    if tokens == list(range(tokens[0], tokens[0] + len(tokens))):
+        token_index = slice(tokens[0], tokens[0] + len(tokens))
+    return PromptGroup(
+        query_rows.reshape(-1),
+        kv_rows,
+        mask,
+        valid,
+        token_index,
+        len(rows),
+        padded_q,
+        padded_len,
+        tuple(query_chunks),
+    )
 
 
-def paged_attention_planned(
+def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
@@ -230,9 +268,13 @@ def paged_attention_planned(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``paged_attention`` with the metadata's work done by ``plan_paged_attention``. Checks only
-    that the query and cache agree with the plan; the tensors' dtypes and layouts are the
-    caller's (see ``check_paged_attention``)."""
+    """Causal attention of a ragged batch (prompt chunks and decodes) over the paged KV cache.
+
+    Row r owns query tokens ``query_start[r] .. query_start[r + 1] - 1``; its i-th of q_len tokens
+    sits at position ``context_lens[r] - q_len + i`` and attends to positions 0 .. that position,
+    whose K/V are already in the cache. The metadata's work is ``plan_paged_attention``'s; this
+    checks that the query and the caches agree with the plan (the backend's ``plan`` checked
+    their dtypes and layouts)."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     if (query.shape[0], block_size, num_kv_heads) != (
         plan.num_tokens,
@@ -243,14 +285,16 @@ def paged_attention_planned(
             f"the plan is for {plan.num_tokens} tokens, block_size {plan.block_size} and "
             f"{plan.num_kv_heads} KV heads, got {query.shape[0]}, {block_size} and {num_kv_heads}"
         )
-    if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     # [num_slots * num_kv_heads, head_dim] views of the caches: one row per (slot, head)
     key_rows, value_rows = key_cache.view(-1, head_dim), value_cache.view(-1, head_dim)
+    if out is None and plan.sole_decode_group is not None:  # every token decodes, in one call
+        return _decode_attention(query, key_rows, value_rows, plan.sole_decode_group, scale)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for group in plan.decode_groups:
         _attend_decode_group(query, key_rows, value_rows, group, scale, out)
-    for row in plan.prompt_rows:
-        _attend_prompt_row(query, key_rows, value_rows, row, scale, out)
+    for prompts in plan.prompt_groups:
+        _attend_prompt_group(query, key_rows, value_rows, prompts, scale, out)
     return out
 
 
@@ -271,40 +315,74 @@ def _attend_decode_group(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Decode rows at once: gather their contexts padded to the longest, mask the padding."""
+    """Decode rows at once, written into ``out``."""
+    out[group.tokens] = _decode_attention(query[group.tokens], key_rows, value_rows, group, scale)
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [num_rows, num_heads, head_dim]: the group's query tokens
+    key_rows: torch.Tensor,  # [num_slots * num_kv_heads, head_dim]
+    value_rows: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+) -> torch.Tensor:
+    """Gathers the rows' contexts padded to the longest, masks the padding: [num_rows,
+    num_heads, head_dim]."""
     num_rows, padded_len = group.num_rows, group.padded_len
     num_heads, head_dim = query.shape[1], query.shape[2]
     shape = (num_rows, -1, padded_len, head_dim)  # [num_rows, num_kv_heads, padded_len, head_dim]
     keys = key_rows.index_select(0, group.kv_rows).view(shape)
     values = value_rows.index_select(0, group.kv_rows).view(shape)
     # [num_rows, num_kv_heads, heads per KV head, head_dim]
-    queries = query[group.tokens].view(num_rows, keys.shape[1], -1, head_dim)
+    queries = query.view(num_rows, keys.shape[1], -1, head_dim)
     attended = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=group.mask, scale=scale
     )  # [num_rows, num_kv_heads, heads per KV head, head_dim]
-    out[group.tokens] = attended.view(num_rows, num_heads, head_dim)
+    return attended.view(num_rows, num_heads, head_dim)
 
 
-def _attend_prompt_row(
+def _attend_prompt_group(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_rows: torch.Tensor,  # [num_slots * num_kv_heads, head_dim]
     value_rows: torch.Tensor,
-    row: PromptRow,
+    group: PromptGroup,
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """One prompt chunk: query i (position ctx_len - q_len + i) sees positions 0 .. its own."""
-    queries = query[row.start : row.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
-    shape = (-1, row.ctx_len, query.shape[2])
-    keys = key_rows.index_select(0, row.kv_rows).view(shape)  # [num_kv_heads, ctx_len, head_dim]
-    values = value_rows.index_select(0, row.kv_rows).view(shape)
-    attended = F.scaled_dot_product_attention(
-        queries,
-        keys,
-        values,
-        attn_mask=row.mask,
-        is_causal=row.mask is None,
-        scale=scale,
-        enable_gqa=queries.shape[0] != keys.shape[0],
-    )  # [num_heads, q_len, head_dim]
-    out[row.start : row.end] = attended.transpose(0, 1)
+    """Prompt chunks at once: query i of a row (position ctx_len - q_len + i) sees positions
+    0 .. its own."""
+    num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
+    # [num_rows, num_heads, padded_q, head_dim]
+    queries = query[group.query_rows].view(num_rows, group.padded_q, num_heads, head_dim)
+    queries = queries.transpose(1, 2)
+    shape = (num_rows, -1, group.padded_len, head_dim)  # [rows, num_kv_heads, padded_len, dim]
+    keys = key_rows.index_select(0, group.kv_rows).view(shape)
+    values = value_rows.index_select(0, group.kv_rows).view(shape)
+    gqa = num_heads != keys.shape[1]
+    if group.query_chunks:
+        attended = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    queries[:, :, first:end],
+                    keys[:, :, :length],
+                    values[:, :, :length],
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
+                for first, end, length, mask in group.query_chunks
+            ],
+            dim=2,
+        )  # [num_rows, num_heads, padded_q, head_dim]
+    else:
+        attended = F.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            attn_mask=group.mask,
+            is_causal=group.mask is None,
+            scale=scale,
+            enable_gqa=gqa,
+        )  # [num_rows, num_heads, padded_q, head_dim]
+    flat = attended.transpose(1, 2).reshape(num_rows * group.padded_q, num_heads, head_dim)
+    out[group.tokens] = flat[group.valid]

@@ -69,6 +69,7 @@ def launch_rotary_embedding(
         positions, query, key, cos_sin_cache, cos_sin_cache.shape[0], num_heads, key.shape[1],
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         HALF=half, HALF_PADDED=triton.next_power_of_2(half),
-        HEADS_PADDED=triton.next_power_of_2(num_heads),
-        KV_HEADS_PADDED=triton.next_power_of_2(key.shape[1]),
+        # at least 1: tl.arange needs a non-empty range; masks skip the padding (an empty group)
+        HEADS_PADDED=max(1, triton.next_power_of_2(num_heads)),
+        KV_HEADS_PADDED=max(1, triton.next_power_of_2(key.shape[1])),
     )  # fmt: skip

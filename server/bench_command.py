@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="compile the --offline engine's one-token forward, as serve does (default: on)",
+        help="compile the --offline engine's step graphs, as serve does (default: on)",
     )
     parser.set_defaults(func=run)
 
@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 compile=args.compile,
             )
         )
+        engine.wait_until_compiled()
         if args.warmup:
             run_offline(engine, warmup)
         summary = run_offline(engine, workload)

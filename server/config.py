@@ -70,8 +70,8 @@ class ServerConfig(BaseModel):
     @field_validator("engine", mode="before")
     @classmethod
     def _compile_by_default(cls, value: Any) -> Any:
-        """A server compiles its one-token forward unless told not to (``compile: false``): it
-        starts once and decodes single streams about twice as fast for it."""
+        """A server compiles its step graphs unless told not to (``compile: false``): in the
+        background, serving eagerly until they are ready."""
         if isinstance(value, Mapping) and "compile" not in value:
             return {**value, "compile": True}
         return value

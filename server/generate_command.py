@@ -35,8 +35,8 @@ def register(subparsers: Any) -> None:
     add(
         "--compile",
         action="store_true",
-        help="compile the one-token forward first (about a minute for the default model on 2 "
-        "cores; pays off for long outputs)",
+        help="compile the step graphs first (about a minute for the default model on 2 cores; "
+        "pays off for long outputs)",
     )
     add("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=_generate)
@@ -76,6 +76,7 @@ def _run(args: argparse.Namespace) -> int:
         compile=args.compile,
     )
     engine = LLMEngine(config)
+    engine.wait_until_compiled()
     tokenizer = engine.tokenizer
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 from types import FrameType
@@ -101,9 +103,18 @@ def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
     """Serves until drained (0) or until the engine fails (1)."""
     server = make_server(app, host, port, log_level)
     server.run()
-    if server.exit_code == 0 and not server.started:
-        return 1  # could not bind, or the start-up failed
-    return server.exit_code
+    from engine.step_graphs import compiling_in_background
+
+    code = 1 if server.exit_code == 0 and not server.started else server.exit_code
+    if compiling_in_background():
+        # stopped before the step graphs were ready: the compile cannot be interrupted, and the
+        # interpreter's own exit would abort under it (SIGABRT instead of this exit code)
+        logger.info("exiting while the step graphs compile")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 class ServerThread:

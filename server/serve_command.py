@@ -102,8 +102,9 @@ def register(subparsers: Any) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="compile the single-request decode forward at start-up (default: on; about a "
-        "minute for the default model on 2 cores, then about twice the single-stream speed)",
+        help="compile the step graphs in the background while serving eagerly (default: on; "
+        "CPU, torch attention backend, one process; under a minute for the default model on 2 "
+        "cores, then every step shape runs compiled)",
     )
     parser.set_defaults(func=run)
 
@@ -127,12 +128,12 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    from engine.distributed import torchrun_environment
+    from engine.tensor_parallel.distributed import torchrun_environment
 
     torchrun = torchrun_environment()
     if torchrun is not None and torchrun.rank != 0:
         # a tensor-parallel rank started by torchrun: no HTTP server, it serves rank 0's steps
-        from engine.tp_worker import run_torchrun_worker
+        from engine.tensor_parallel.worker import run_torchrun_worker
 
         return run_torchrun_worker(config.engine)
     from server.app import create_app, describe_config

@@ -4,28 +4,25 @@ One ragged forward: every row's tokens are flattened into ``[num_tokens]`` (see
 ``engine/input_builder.py``); attention reads each row's context through its block table, so a
 prompt chunk and a decode token are the same case. Qwen2 differs only by its q/k/v bias. Attention
 is always full: a sliding-window model is limited to contexts within its window (see
-``ModelConfig.max_context_len``), where the two agree. With an ops module that plans steps (the
-torch backend's ``plan_step``), the batch's metadata is checked and indexed once per forward and
-each layer runs the lean ``*_planned`` ops.
+``ModelConfig.max_context_len``), where the two agree.
 
-    embed -> [RMSNorm -> QKV -> rotary -> store K/V -> paged attention -> o_proj
+The ops come from an attention backend object (``kernels/``); the step's ``plan`` (its checked
+metadata and the KV cache) is made by the runner with ``backend.plan`` and passed down explicitly.
+Each module has one forward; the runner decides how it runs (eager, or ``LlamaModel`` compiled).
+
+    embed -> [RMSNorm -> QKV -> rotary -> store K/V + paged attention -> o_proj
               -> RMSNorm -> gate_up -> SiLU * up -> down] x num_layers
-          -> final RMSNorm (sampling rows only) -> LM head
+          -> final RMSNorm -> (sampling rows only) LM head
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.compiled_forward import OneTokenForward, is_recompile_error
-from engine.input_builder import AttentionMetadata
 from engine.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -35,27 +32,26 @@ from engine.layers import (
 )
 from engine.model_config import ModelConfig
 from engine.parallel import SINGLE_PROCESS, ParallelContext
-from engine.tp_sharding import shard_heads
-from kernels import build_cos_sin_cache
+from engine.tensor_parallel.sharding import shard_heads
+from kernels import AttentionBackend, build_cos_sin_cache
 
-logger = logging.getLogger(__name__)
+Rope = tuple[torch.Tensor, torch.Tensor]  # the step's rotary rows, in the backend's form
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, ops: ModuleType) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, backend: AttentionBackend
+    ) -> None:
         super().__init__()
         self.eps = eps
-        self.ops = ops
+        self.backend = backend
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), False)
-        self.add_rms_norm = getattr(ops, "add_rms_norm", None)  # unchecked, for the model's tensors
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.add_rms_norm is None:
-            return self.ops.rms_norm(x, self.weight, self.eps, residual)
-        normed, summed = self.add_rms_norm(x, residual, self.weight, self.eps)
-        return normed if residual is None else (normed, summed)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, the residual stream ``x + residual``)."""
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -63,12 +59,12 @@ class Attention(nn.Module):
         self,
         config: ModelConfig,
         dtype: torch.dtype,
-        ops: ModuleType,
+        backend: AttentionBackend,
         parallel: ParallelContext,
-        layer_index: int = 0,
+        layer_index: int,
     ) -> None:
         super().__init__()
-        self.ops = ops
+        self.backend = backend
         self.layer_index = layer_index
         head_dim = config.head_dim
         heads = shard_heads(
@@ -96,76 +92,24 @@ class Attention(nn.Module):
             config.num_heads * head_dim, config.hidden_size, bias=False, dtype=dtype,
             parallel=parallel, input_range=q_range,
         )  # fmt: skip
-        self.split_sizes = self.qkv_proj.local_output_sizes
 
     def forward(
         self,
-        positions: torch.Tensor,  # [num_tokens]
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        metadata: AttentionMetadata,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
-        plan: Any = None,
+        rope: Rope,
+        plan: Any,  # the backend's step plan
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if plan is not None:
-            attended = self._attend_planned(qkv, key_cache, value_cache, plan)
-            return self.o_proj(attended.view(num_tokens, self.num_heads * self.head_dim))
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
-        self.ops.store_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
-        attended = self.ops.paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            metadata.query_start,
-            metadata.context_lens,
-            metadata.block_tables,
-            self.scale,
-            metadata.max_query_len,
-            metadata.max_context_len,
-        )  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(attended.view(num_tokens, self.num_heads * self.head_dim))
-
-    def forward_compiled(
-        self,
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim] float32 (StepPlan.cos)
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim] float32 (StepPlan.sin)
-    ) -> torch.Tensor:
-        """The traced form (``engine/compiled_forward.py``): rotary as a function of qkv, then
-        the opaque ``attend_step`` stores K/V and attends with the step's plan."""
         num_tokens, head_dim = hidden.shape[0], self.head_dim
         num_qk_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(hidden)
-        qk = qkv[:, : num_qk_heads * head_dim].view(num_tokens, num_qk_heads, head_dim).float()
-        qk = (qk * cos + torch.roll(qk, head_dim // 2, -1) * sin).to(qkv.dtype)
-        v = qkv[:, num_qk_heads * head_dim :].view(num_tokens, self.num_kv_heads, head_dim)
-        attended = torch.ops.splitfuse.attend_step(
-            qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.layer_index, self.scale
-        )  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(attended.view(num_tokens, self.num_heads * head_dim))
-
-    def _attend_planned(
-        self, qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: Any
-    ) -> torch.Tensor:
-        """Rotary, K/V store and attention with the step's plan (``ops.plan_step``)."""
-        num_tokens, head_dim = qkv.shape[0], self.head_dim
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        # [num_tokens, num_heads + num_kv_heads, head_dim]: q and k side by side, rotated at once
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        # query and key heads side by side, rotated at once: [num_tokens, num_qk_heads, head_dim]
         qk = qkv[:, : num_qk_heads * head_dim].view(num_tokens, num_qk_heads, head_dim)
-        self.ops.rotary_embedding_planned(qk, plan)
-        k = qk[:, self.num_heads :]  # [num_tokens, num_kv_heads, head_dim]
+        qk = self.backend.rotary(qk, rope)
         v = qkv[:, num_qk_heads * head_dim :].view(num_tokens, self.num_kv_heads, head_dim)
-        self.ops.store_kv_planned(k, v, key_cache, value_cache, plan)
-        return self.ops.paged_attention_planned(
-            qk[:, : self.num_heads], key_cache, value_cache, plan.attention, self.scale
+        attended = self.backend.attend(
+            qk[:, : self.num_heads], qk[:, self.num_heads :], v, plan, self.layer_index, self.scale
         )  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(attended.reshape(num_tokens, self.num_heads * head_dim))
 
 
 class MLP(nn.Module):
@@ -193,171 +137,115 @@ class DecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         dtype: torch.dtype,
-        ops: ModuleType,
+        backend: AttentionBackend,
         parallel: ParallelContext,
-        layer_index: int = 0,
+        layer_index: int,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, dtype, ops, parallel, layer_index)
+        self.self_attn = Attention(config, dtype, backend, parallel, layer_index)
         self.mlp = MLP(config, dtype, parallel)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, backend)
 
     def forward(
         self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-        kv_cache: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        plan: Any = None,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None,  # None in the first layer
+        rope: Rope,
+        plan: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it is added)."""
-        return self._around_attention(
-            hidden,
-            residual,
-            lambda normed: self.self_attn(
-                positions, normed, metadata, kv_cache, cos_sin_cache, plan
-            ),
-        )
-
-    def forward_compiled(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` as the compiled graph traces it (``Attention.forward_compiled``)."""
-        return self._around_attention(
-            hidden, residual, lambda normed: self.self_attn.forward_compiled(normed, cos, sin)
-        )
-
-    def _around_attention(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        attend: Callable[[torch.Tensor], torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm -> ``attend`` -> add + norm -> MLP; returns (output, residual stream)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = attend(hidden)
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, plan)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
+class LlamaModel(nn.Module):
+    """The decoder stack: ``forward(input_ids, positions, plan)`` -> the final norm's output
+    ``[num_tokens, hidden_size]``. The runner may compile this module (``engine/step_graphs.py``):
+    its inputs are tensors of any token count and the opaque plan."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        max_position: int,
+        parallel: ParallelContext,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, parallel=parallel
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, backend, parallel, index)
+            for index in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, backend)
+        cos_sin = build_cos_sin_cache(
+            config.head_dim, max_position, config.rope_theta, config.rope_scaling
+        )
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        plan: Any,
+    ) -> torch.Tensor:
+        rope = self.backend.rope(positions, self.cos_sin_cache)
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rope, plan)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
 class LlamaForCausalLM(nn.Module):
-    """``forward(input_ids, positions, metadata, kv_cache, sample_rows) -> logits`` for the
-    sampling rows only, float32 ``[num_sampled, vocab_size]``."""
+    """``forward(input_ids, positions, plan, sample_rows) -> logits`` for the sampling rows only,
+    float32 ``[num_sampled, vocab_size]``; ``plan`` is ``backend.plan(positions, metadata,
+    kv_cache, max_position)`` for the step."""
 
     def __init__(
         self,
         config: ModelConfig,
         *,
         dtype: torch.dtype,
-        ops: ModuleType,
+        backend: AttentionBackend,
         max_position: int,
         parallel: ParallelContext = SINGLE_PROCESS,
     ) -> None:
         super().__init__()
         self.config = config
-        self.plan_step = getattr(ops, "plan_step", None)
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, dtype=dtype, parallel=parallel
-        )
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, ops, parallel, index) for index in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.backend = backend
+        self.max_position = max_position
+        self.model = LlamaModel(config, dtype, backend, max_position, parallel)
         self.lm_head = ParallelLMHead(
             config.vocab_size,
             config.hidden_size,
             dtype=dtype,
             parallel=parallel,
-            tied_embedding=self.embed_tokens if config.tie_word_embeddings else None,
+            tied_embedding=self.model.embed_tokens if config.tie_word_embeddings else None,
         )
-        cos_sin = build_cos_sin_cache(
-            config.head_dim, max_position, config.rope_theta, config.rope_scaling
-        )
-        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
-        self.one_token_forward: OneTokenForward | None = None
 
-    def compile_one_token(self) -> None:
-        """Runs later one-token steps through ``torch.compile`` (``engine/compiled_forward.py``);
-        the next such step compiles, while the weights are still unpacked."""
-        if self.plan_step is None:
-            raise ValueError("the compiled forward needs the torch attention backend")
-        self.one_token_forward = OneTokenForward(self._one_token_body)
-
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        metadata: AttentionMetadata,
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        plan: Any,
         sample_rows: torch.Tensor,  # [num_sampled]
     ) -> torch.Tensor:
-        plan = None
-        if self.plan_step is not None:  # checked and indexed once for all layers
-            plan = self.plan_step(
-                positions,
-                metadata.slot_mapping,
-                metadata.query_start,
-                metadata.context_lens,
-                metadata.block_tables,
-                self.cos_sin_cache,
-                block_size=kv_cache.shape[3],
-                num_kv_heads=kv_cache.shape[4],
-                num_slots=kv_cache.shape[2] * kv_cache.shape[3],
-            )
-        if (
-            self.one_token_forward is not None
-            and input_ids.shape[0] == 1
-            and sample_rows.shape[0] == 1
-        ):
-            try:
-                return self.one_token_forward(plan, kv_cache, input_ids, plan.cos, plan.sin)
-            except RuntimeError as error:
-                if not is_recompile_error(error):
-                    raise
-                logger.error(
-                    "compile: the one-token graph no longer applies (%s); the eager "
-                    "forward serves every step from now on",
-                    str(error).splitlines()[0],
-                )
-                self.one_token_forward = None
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual: torch.Tensor | None = None
-        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
-            hidden, residual = layer(
-                positions, hidden, residual, metadata, layer_cache, self.cos_sin_cache, plan
-            )
-        assert residual is not None
-        # Only the sampling rows go through the final norm and the LM head.
-        hidden, _ = self.norm(hidden[sample_rows], residual[sample_rows])
-        return self.lm_head(hidden).float()  # [num_sampled, vocab_size]
+        hidden = self.model(input_ids, positions, plan)  # [num_tokens, hidden_size]
+        return self.compute_logits(hidden, sample_rows)
 
-    def _one_token_body(
-        self,
-        input_ids: torch.Tensor,  # [1]
-        cos: torch.Tensor,  # [1, 1, head_dim] float32
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """The forward of one sampled token after ``plan_step``, as ``torch.compile`` traces
-        it; returns its float32 logits [1, vocab_size]."""
-        hidden = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer.forward_compiled(hidden, residual, cos, sin)
-        assert residual is not None
-        hidden, _ = self.norm(hidden, residual)
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+        """The LM head on the sampling rows of the stack's output: float32 ``[num_sampled,
+        vocab_size]``."""
+        return self.lm_head(hidden[sample_rows]).float()
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -397,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
     def _param_name(self, checkpoint_name: str) -> tuple[str | None, int]:
         if "rotary_emb.inv_freq" in checkpoint_name:
             return None, 0
-        name = checkpoint_name.removeprefix("model.")
+        name = checkpoint_name
         if name == "lm_head.weight":
             return (None, 0) if self.config.tie_word_embeddings else ("lm_head.weight", 0)
         for fragment, (fused, shard_id) in self._FUSED.items():

@@ -1,6 +1,7 @@
-"""Random ragged batches over a paged KV cache, and the simplest possible reference ops (float64).
+"""Random ragged batches over a paged KV cache, the backends' step inputs made from them, and the
+simplest possible reference ops (float64).
 
-Shared by the PyTorch-op tests and the Triton-kernel tests.
+Shared by the PyTorch-backend tests and the Triton-backend tests.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from kernels import AttentionMetadata
 
 
 @dataclass
@@ -23,18 +26,72 @@ class RaggedBatch:
     max_context_len: int
     scale: float
 
-    def attention_args(self) -> tuple:
-        return (
-            self.query,
-            self.key_cache,
-            self.value_cache,
-            self.query_start,
-            self.context_lens,
-            self.block_tables,
-            self.scale,
-            self.max_query_len,
-            self.max_context_len,
-        )
+    def token_positions(self) -> list[tuple[int, int]]:
+        """(row, position) of each query token: token i of a row of q_len sits at
+        context_len - q_len + i."""
+        starts, ctx_lens = self.query_start.tolist(), self.context_lens.tolist()
+        return [
+            (row, ctx - (starts[row + 1] - starts[row]) + i)
+            for row, ctx in enumerate(ctx_lens)
+            for i in range(starts[row + 1] - starts[row])
+        ]
+
+    def positions(self) -> torch.Tensor:
+        """The query tokens' positions, [num_tokens] int64."""
+        positions = [position for _, position in self.token_positions()]
+        return torch.tensor(positions, dtype=torch.int64, device=self.query.device)
+
+    def slot_mapping(self) -> torch.Tensor:
+        """[num_tokens] int64: the cache slot of each query token's position."""
+        block_size, tables = self.key_cache.shape[1], self.block_tables.tolist()
+        slots = [
+            tables[row][position // block_size] * block_size + position % block_size
+            for row, position in self.token_positions()
+        ]
+        return torch.tensor(slots, dtype=torch.int64, device=self.query.device)
+
+    def metadata(self, **changes) -> AttentionMetadata:
+        """The batch's attention metadata, with ``changes`` to its fields."""
+        fields = {
+            "slot_mapping": self.slot_mapping(),
+            "query_start": self.query_start,
+            "context_lens": self.context_lens,
+            "block_tables": self.block_tables,
+            "max_query_len": self.max_query_len,
+            "max_context_len": self.max_context_len,
+        }
+        return AttentionMetadata(**{**fields, **changes})
+
+    def kv_cache(self) -> torch.Tensor:
+        """A one-layer ``[1, 2, num_blocks, block_size, num_kv_heads, head_dim]`` copy of the
+        caches."""
+        return torch.stack((self.key_cache, self.value_cache))[None].contiguous()
+
+    @property
+    def max_position(self) -> int:
+        return max(self.max_context_len, 1)
+
+
+def step_inputs(batch: RaggedBatch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """(positions, metadata, one-layer kv_cache): what a backend's ``plan`` takes."""
+    return batch.positions(), batch.metadata(), batch.kv_cache()
+
+
+def run_attention(
+    backend,
+    batch: RaggedBatch,
+    *,
+    query: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """``backend``'s plan, then its paged attention of ``query`` (default: the batch's) over the
+    batch's caches."""
+    positions, metadata, kv_cache = step_inputs(batch)
+    plan = backend.plan(positions, metadata, kv_cache, batch.max_position)
+    key_cache, value_cache = kv_cache[0]
+    query = batch.query if query is None else query
+    return backend.paged_attention(query, key_cache, value_cache, plan, batch.scale, out, **kwargs)
 
 
 def make_ragged_batch(

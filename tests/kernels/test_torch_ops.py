@@ -1,4 +1,4 @@
-"""The PyTorch ops against the float64 references in kernel_reference.py."""
+"""The PyTorch backend's ops against the float64 references in kernel_reference.py."""
 
 from __future__ import annotations
 
@@ -10,12 +10,20 @@ from kernel_reference import (
     reference_rms_norm,
     reference_rotary,
     reference_store_kv,
+    run_attention,
 )
 
-from kernels import KernelInputError, build_cos_sin_cache, get_ops, torch_attention
+from kernels import (
+    BACKENDS,
+    AttentionMetadata,
+    KernelInputError,
+    build_cos_sin_cache,
+    get_backend,
+    torch_attention,
+)
 from kernels.torch_attention import length_groups
 
-ops = get_ops("torch")
+backend = get_backend("torch")
 
 # Max abs error against float64 for outputs of magnitude ~1 (attention averages N(0, 1) values).
 ATTENTION_ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -29,9 +37,18 @@ BATCHES = {
     "single_token_prompts": [(0, 1), (0, 1), (0, 1)],
     "long_context": [(150, 1), (97, 1), (120, 8)],
     "block_multiple": [(0, 32), (32, 1), (16, 16)],
+    "rows_without_queries": [(5, 0), (3, 1), (0, 4), (2, 0)],
     # decode contexts from 1 to 64 blocks: computed in length groups (see the test below)
     "varied_decodes": [(1000, 1), (3, 1), (19, 1), (300, 1), (999, 1), (0, 1), (0, 4)],
-}
+    # chunks of 3, 5, 17 and 64 tokens after various prefixes: prompt groups of 1 to 3 rows
+    # (1, 2, 4 and 9 blocks; test_torch_plan.py checks the groups)
+    "prompt_groups": [
+        (0, 3), (13, 5), (2, 17), (40, 17), (0, 64), (70, 64), (5, 1), (100, 1), (29, 3), (0, 5)
+    ],
+    # prompt groups of at least 2 x QUERY_CHUNK query slots, attended in query chunks: a whole
+    # prompt (plain causal), a chunk after a prefix, and rows of several lengths padded together
+    "query_chunks": [(0, 200), (37, 150), (60, 131), (1, 1), (0, 129)],
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -42,7 +59,7 @@ def test_paged_attention_matches_reference(name, num_heads, num_kv_heads, dtype)
         BATCHES[name], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
         block_size=16, dtype=dtype, seed=list(BATCHES).index(name),
     )  # fmt: skip
-    out = ops.paged_attention(*batch.attention_args())
+    out = run_attention(backend, batch)
     assert out.dtype == dtype
     expected = reference_attention(batch)
     torch.testing.assert_close(out.double(), expected, atol=ATTENTION_ATOL[dtype], rtol=0)
@@ -55,8 +72,38 @@ def test_paged_attention_block_sizes_and_head_dims(block_size, head_dim):
         rows, num_heads=6, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
         dtype=torch.float32, seed=3,
     )  # fmt: skip
-    out = ops.paged_attention(*batch.attention_args())
+    out = run_attention(backend, batch)
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-5, rtol=0)
+
+
+def test_long_prompt_groups_attend_in_query_chunks():
+    plan, _ = _plan_of(BATCHES["query_chunks"])
+    chunked = [group for group in plan.prompt_groups if group.query_chunks]
+    assert chunked and all(
+        [first for first, *_ in group.query_chunks]
+        == list(range(0, group.padded_q, torch_attention.QUERY_CHUNK))
+        for group in chunked
+    )
+    # each chunk reads the context up to its last query's position, never less
+    for group in chunked:
+        for first, end, length, mask in group.query_chunks:
+            assert mask.shape[-2:] == (end - first, length) and length <= group.padded_len
+
+
+def _plan_of(rows):
+    batch = make_ragged_batch(
+        rows, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32, seed=1
+    )
+    metadata = batch.metadata()
+    plan = torch_attention.plan_paged_attention(
+        metadata.query_start,
+        metadata.context_lens,
+        metadata.block_tables,
+        block_size=16,
+        num_kv_heads=3,
+        num_tokens=batch.query.shape[0],
+    )
+    return plan, batch
 
 
 def test_length_groups_bound_the_padding():
@@ -64,18 +111,25 @@ def test_length_groups_bound_the_padding():
     assert length_groups([5, 5, 5]) == [[0, 1, 2]]
 
 
-def test_varied_decode_contexts_run_in_length_groups(monkeypatch):
+@pytest.mark.parametrize(
+    ("name", "function", "num_calls"),
+    [
+        # 1, 2, 19 and 63 blocks: groups of block counts 1, 2, 17-32, 33-64
+        ("varied_decodes", "_attend_decode_group", 4),
+        # 1, 2, 4 and 9 blocks
+        ("prompt_groups", "_attend_prompt_group", 4),
+    ],
+)
+def test_rows_run_in_length_groups(monkeypatch, name, function, num_calls):
     calls = []
-    group = torch_attention._attend_decode_group
-    monkeypatch.setattr(
-        torch_attention, "_attend_decode_group", lambda *args: calls.append(1) or group(*args)
-    )
+    group = getattr(torch_attention, function)
+    monkeypatch.setattr(torch_attention, function, lambda *args: calls.append(1) or group(*args))
     batch = make_ragged_batch(
-        BATCHES["varied_decodes"], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        BATCHES[name], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
         dtype=torch.float32, seed=8,
     )  # fmt: skip
-    out = ops.paged_attention(*batch.attention_args())
-    assert len(calls) == 4  # 1, 2, 19 and 63 blocks: groups of block counts 1, 2, 17-32, 33-64
+    out = run_attention(backend, batch)
+    assert len(calls) == num_calls
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-5, rtol=0)
 
 
@@ -85,7 +139,7 @@ def test_paged_attention_unshuffled_blocks_and_out_argument():
         dtype=torch.float32, seed=5, shuffle_blocks=False,
     )  # fmt: skip
     out = torch.full_like(batch.query, float("nan"))
-    returned = ops.paged_attention(*batch.attention_args(), out=out)
+    returned = run_attention(backend, batch, out=out)
     assert returned is out
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-5, rtol=0)
 
@@ -100,7 +154,7 @@ def test_paged_attention_accepts_a_strided_query_view():
     fused[:, :6] = batch.query
     strided = fused[:, :6]
     assert not strided.is_contiguous()
-    out = ops.paged_attention(strided, *batch.attention_args()[1:])
+    out = run_attention(backend, batch, query=strided)
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-5, rtol=0)
 
 
@@ -108,38 +162,53 @@ def test_paged_attention_empty_batch():
     batch = make_ragged_batch(
         [], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, seed=0
     )
-    out = ops.paged_attention(*batch.attention_args())
+    out = run_attention(backend, batch)
     assert out.shape == (0, 4, 64)
 
 
-def test_paged_attention_rejects_bad_inputs():
+def _store_step(slot_mapping: list[int], num_kv_heads: int, dtype: torch.dtype, seed: int):
+    """One row of ``len(slot_mapping)`` tokens over a one-layer cache of 5 blocks of 4 slots
+    (random K/V): (plan, kv_cache)."""
+    num_tokens = len(slot_mapping)
+    generator = torch.Generator().manual_seed(seed)
+    kv_cache = torch.randn(1, 2, 5, 4, num_kv_heads, 64, generator=generator).to(dtype)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping),
+        query_start=torch.tensor([0, num_tokens], dtype=torch.int32),
+        context_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        block_tables=torch.tensor([[0, 1, 2, 3, 4]], dtype=torch.int32),
+        max_query_len=num_tokens,
+        max_context_len=num_tokens,
+    )
+    return backend.plan(torch.arange(num_tokens), metadata, kv_cache, 64), kv_cache
+
+
+def test_paged_attention_rejects_a_query_that_does_not_match_the_plan():
     batch = make_ragged_batch(
         [(3, 1), (0, 4)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
         dtype=torch.float32, seed=5,
     )  # fmt: skip
-    args = list(batch.attention_args())
-    with pytest.raises(KernelInputError, match="query_start must be torch.int32"):
-        ops.paged_attention(args[0], args[1], args[2], args[3].long(), *args[4:])
-    with pytest.raises(KernelInputError, match="not a multiple of num_kv_heads"):
-        ops.paged_attention(args[0][:, :3], *args[1:])
-    with pytest.raises(KernelInputError, match="query is torch.float16"):
-        ops.paged_attention(args[0].half(), *args[1:])
-    with pytest.raises(KernelInputError, match="capacity"):
-        ops.paged_attention(*args[:8], 10_000)
+    with pytest.raises(KernelInputError, match="the plan is for 5 tokens"):
+        run_attention(backend, batch, query=batch.query[:4])
+
+
+def test_paged_attention_and_store_kv_reject_bad_tensors_without_writing():
+    batch = make_ragged_batch(
+        [(3, 1), (0, 4)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=torch.float32, seed=5,
+    )  # fmt: skip
+    out = torch.zeros(1, 4, 64)
     with pytest.raises(KernelInputError, match="out must be"):
-        ops.paged_attention(*args, out=torch.empty(1, 4, 64))
-    too_long = batch.context_lens.clone()
-    too_long[0] = batch.block_tables.shape[1] * 16 + 1
-    with pytest.raises(KernelInputError, match="context_lens"):
-        ops.paged_attention(*args[:4], too_long, *args[5:])
-    with pytest.raises(KernelInputError, match="query_start must run from 0 to num_tokens"):
-        ops.paged_attention(args[0][:-1], *args[1:])
-    too_short = batch.context_lens.clone()
-    too_short[1] = 3  # a row of 4 query tokens
-    out = torch.zeros_like(batch.query)
-    with pytest.raises(KernelInputError, match="row 1 of 4 query tokens has context_len 3"):
-        ops.paged_attention(*args[:4], too_short, *args[5:], out=out)
-    assert not out.any()  # the decode row before it was not written either
+        run_attention(backend, batch, out=out)
+    assert not out.any()
+    with pytest.raises(KernelInputError, match="query is torch.float16"):
+        run_attention(backend, batch, query=batch.query.half())
+    with pytest.raises(KernelInputError, match="not a multiple of num_kv_heads"):
+        run_attention(backend, batch, query=batch.query[:, :3])
+    plan, kv_cache = _store_step([3, 1], num_kv_heads=2, dtype=torch.float32, seed=3)
+    with pytest.raises(KernelInputError, match="key is torch.float16"):
+        key = torch.randn(2, 2, 64, dtype=torch.float16)
+        backend.store_kv(key, key, kv_cache[0, 0], kv_cache[0, 1], plan)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -148,29 +217,22 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
     num_tokens, num_kv_heads, head_dim = 7, 3, 64
     fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=generator).to(dtype)
     key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads : 2 * num_kv_heads]  # strided
-    key_cache = torch.randn(5, 4, num_kv_heads, head_dim, generator=generator).to(dtype)
-    value_cache = torch.randn(5, 4, num_kv_heads, head_dim, generator=generator).to(dtype)
-    slot_mapping = torch.tensor([19, 0, -1, 4, 7, -1, 12])
-    expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    reference_store_kv(key, value, expected_k, expected_v, slot_mapping)
-    ops.store_kv(key, value, key_cache, value_cache, slot_mapping)
-    assert torch.equal(key_cache, expected_k)
-    assert torch.equal(value_cache, expected_v)
+    slot_mapping = [19, 0, -1, 4, 7, -1, 12]
+    plan, kv_cache = _store_step(slot_mapping, num_kv_heads, dtype, seed=2)
+    expected_k, expected_v = kv_cache[0, 0].clone(), kv_cache[0, 1].clone()
+    reference_store_kv(key, value, expected_k, expected_v, torch.tensor(slot_mapping))
+    backend.store_kv(key, value, kv_cache[0, 0], kv_cache[0, 1], plan)
+    assert torch.equal(kv_cache[0, 0], expected_k)
+    assert torch.equal(kv_cache[0, 1], expected_v)
 
 
-def test_store_kv_rejects_bad_inputs_without_writing():
-    key = torch.randn(2, 2, 8)
-    key_cache, value_cache = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
-    for bad_slots in ([1, 12], [-2, 1]):
-        with pytest.raises(KernelInputError, match="slot_mapping must hold -1 or slots"):
-            ops.store_kv(key, key, key_cache, value_cache, torch.tensor(bad_slots))
-    assert not key_cache.any() and not value_cache.any()
-    with pytest.raises(KernelInputError, match="slot_mapping must be torch.int64"):
-        ops.store_kv(key, key, key_cache, value_cache, torch.tensor([1, 2], dtype=torch.int32))
-    with pytest.raises(KernelInputError, match="key must be"):
-        ops.store_kv(key[:, :1], key, key_cache, value_cache, torch.tensor([1, 2]))
-    with pytest.raises(KernelInputError, match="contiguous"):
-        ops.store_kv(key, key, key_cache.mT, value_cache.mT, torch.tensor([1, 2]))
+def test_store_kv_rejects_a_mismatched_token_count_without_writing():
+    plan, kv_cache = _store_step([3, 1, -1], num_kv_heads=2, dtype=torch.float32, seed=3)
+    before = kv_cache.clone()
+    key = torch.randn(2, 2, 64)
+    with pytest.raises(KernelInputError, match="do not match the step's plan"):
+        backend.store_kv(key, key, kv_cache[0, 0], kv_cache[0, 1], plan)
+    assert torch.equal(kv_cache, before)
 
 
 RMS_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -184,24 +246,15 @@ def test_rms_norm_matches_reference(dtype, with_residual):
     weight = (1 + 0.1 * torch.randn(96, generator=generator)).to(dtype)
     residual = torch.randn(11, 96, generator=generator).to(dtype) if with_residual else None
     atol, rtol = RMS_TOL[dtype]
-    got = ops.rms_norm(x, weight, 1e-6, residual)
+    normed, summed = backend.rms_norm(x, weight, 1e-6, residual)
     expected = reference_rms_norm(x, weight, 1e-6, residual)
+    assert normed.dtype == dtype
     if with_residual:
-        torch.testing.assert_close(got[0], expected[0], atol=atol, rtol=rtol)
-        assert torch.equal(got[1], expected[1])
+        torch.testing.assert_close(normed, expected[0], atol=atol, rtol=rtol)
+        assert torch.equal(summed, expected[1])
     else:
-        assert got.dtype == dtype
-        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
-
-
-def test_rms_norm_rejects_bad_inputs():
-    x = torch.randn(3, 8)
-    with pytest.raises(KernelInputError, match="weight must be"):
-        ops.rms_norm(x, torch.ones(7), 1e-6)
-    with pytest.raises(KernelInputError, match="residual must be"):
-        ops.rms_norm(x, torch.ones(8), 1e-6, torch.randn(3, 8, dtype=torch.float64))
-    with pytest.raises(KernelInputError, match="eps"):
-        ops.rms_norm(x, torch.ones(8), 0.0)
+        torch.testing.assert_close(normed, expected, atol=atol, rtol=rtol)
+        assert summed is x
 
 
 ROTARY_ATOL = {torch.float32: 5e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -209,50 +262,30 @@ ROTARY_ATOL = {torch.float32: 5e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_rotary_embedding_in_place_on_fused_views(dtype, head_dim):
+def test_rotary_matches_reference_on_fused_query_and_key_heads(dtype, head_dim):
     generator = torch.Generator().manual_seed(4)
     num_tokens, num_heads, num_kv_heads = 9, 6, 2
     fused = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator)
-    fused = fused.to(dtype)
-    query, key = fused[:, :num_heads], fused[:, num_heads : num_heads + num_kv_heads]
+    fused = fused.to(dtype)  # [num_tokens, q + k + v heads, head_dim]
+    heads = fused[:, : num_heads + num_kv_heads]  # query and key heads side by side
     value_before = fused[:, num_heads + num_kv_heads :].clone()
     positions = torch.tensor([0, 1, 2, 3, 100, 7, 8, 300, 511])
-    expected_q = reference_rotary(positions, query, 10000.0, head_dim)
-    expected_k = reference_rotary(positions, key, 10000.0, head_dim)
-    cache = build_cos_sin_cache(head_dim, 512, 10000.0, None)
-    ops.rotary_embedding(positions, query, key, cache)
-    torch.testing.assert_close(query.double(), expected_q, atol=ROTARY_ATOL[dtype], rtol=0)
-    torch.testing.assert_close(key.double(), expected_k, atol=ROTARY_ATOL[dtype], rtol=0)
+    expected = reference_rotary(positions, heads, 10000.0, head_dim)
+    rope = backend.rope(positions, build_cos_sin_cache(head_dim, 512, 10000.0, None))
+    rotated = backend.rotary(heads, rope)
+    assert rotated.dtype == dtype and rotated.shape == heads.shape
+    torch.testing.assert_close(rotated.double(), expected, atol=ROTARY_ATOL[dtype], rtol=0)
     assert torch.equal(fused[:, num_heads + num_kv_heads :], value_before)
 
 
-@pytest.mark.parametrize("layout", ["separate", "key_before_query"])
-def test_rotary_embedding_on_tensors_that_are_not_adjacent(layout):
-    generator = torch.Generator().manual_seed(6)
-    if layout == "separate":
-        query, key = torch.randn(5, 4, 64, generator=generator), torch.randn(5, 2, 64)
-    else:
-        fused = torch.randn(5, 6, 64, generator=generator)
-        key, query = fused[:, :2], fused[:, 2:]
-    positions = torch.tensor([0, 9, 3, 40, 2])
-    expected_q = reference_rotary(positions, query, 10000.0, 64)
-    expected_k = reference_rotary(positions, key, 10000.0, 64)
-    ops.rotary_embedding(positions, query, key, build_cos_sin_cache(64, 64, 10000.0, None))
-    torch.testing.assert_close(query.double(), expected_q, atol=1e-5, rtol=0)
-    torch.testing.assert_close(key.double(), expected_k, atol=1e-5, rtol=0)
-
-
-def test_rotary_embedding_rejects_bad_inputs_without_writing():
-    query, key = torch.randn(2, 4, 64), torch.randn(2, 2, 64)
-    cache = build_cos_sin_cache(64, 16, 10000.0, None)
-    query_before = query.clone()
-    with pytest.raises(IndexError):
-        ops.rotary_embedding(torch.tensor([1, 16]), query, key, cache)
-    assert torch.equal(query, query_before)
-    with pytest.raises(KernelInputError, match="positions must be torch.int64"):
-        ops.rotary_embedding(torch.tensor([1, 2], dtype=torch.int32), query, key, cache)
-    with pytest.raises(KernelInputError, match="cos_sin_cache must be float32"):
-        ops.rotary_embedding(torch.tensor([1, 2]), query, key, cache.double())
+def test_rope_rows_are_the_tables_rows_of_the_positions():
+    cache = build_cos_sin_cache(64, 32, 10000.0, None)
+    positions = torch.tensor([5, 0, 31, 5])
+    cos, sin = backend.rope(positions, cache)
+    assert cos.shape == sin.shape == (4, 1, 64) and cos.dtype == sin.dtype == torch.float32
+    rows = cache[positions][:, None, :]
+    assert torch.equal(cos, torch.cat((rows[..., :32], rows[..., :32]), -1))
+    assert torch.equal(sin, torch.cat((-rows[..., 32:], rows[..., 32:]), -1))
 
 
 ROPE_SCALINGS = {
@@ -298,6 +331,20 @@ def test_cos_sin_cache_rejects_unknown_scaling():
         build_cos_sin_cache(64, 16, 10000.0, {"type": "linear"})
 
 
-def test_get_ops_rejects_unknown_backend():
+def test_get_backend_names_and_unknown_backend():
+    assert get_backend("torch").name == "torch" and set(BACKENDS) == {"torch", "triton"}
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        get_ops("cuda")
+        get_backend("cuda")
+
+
+def test_decode_only_steps_return_the_attention_itself_contiguous():
+    """A step of decodes alone returns its one attention call's output (no copy): it must be
+    contiguous, as ``splitfuse::attend`` promises a compiled graph."""
+    batch = make_ragged_batch(
+        BATCHES["decode_only"], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+        dtype=torch.bfloat16, seed=4,
+    )  # fmt: skip
+    out = run_attention(backend, batch)
+    assert out.is_contiguous() and out.shape == batch.query.shape
+    expected = reference_attention(batch)
+    torch.testing.assert_close(out.double(), expected, atol=ATTENTION_ATOL[torch.bfloat16], rtol=0)

@@ -1,4 +1,4 @@
-"""The per-step path (plan once, lean ops per layer) against the checked ops and the references."""
+"""The torch backend's step plan: checked once, reused by every layer, and its length groups."""
 
 from __future__ import annotations
 
@@ -6,32 +6,35 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kernel_reference import make_ragged_batch, reference_attention
+from kernel_reference import (
+    make_ragged_batch,
+    reference_attention,
+    reference_store_kv,
+    run_attention,
+    step_inputs,
+)
 from test_torch_ops import ATTENTION_ATOL, BATCHES
 
-from kernels import KernelInputError, build_cos_sin_cache, get_ops
-from kernels.torch_attention import paged_attention_planned, plan_paged_attention
+from kernels import KernelInputError, get_backend
 
-ops = get_ops("torch")
+backend = get_backend("torch")
 
-PLANNED_BATCHES = ["decode_only", "prompt_only", "mixed", "varied_decodes", "long_context"]
+PLANNED_BATCHES = ["decode_only", "prompt_only", "mixed", "varied_decodes", "prompt_groups"]
 
 
-def _plan(batch):
-    return plan_paged_attention(
-        batch.query_start,
-        batch.context_lens,
-        batch.block_tables,
-        block_size=batch.key_cache.shape[1],
-        num_kv_heads=batch.key_cache.shape[2],
-        num_tokens=batch.query.shape[0],
-    )
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal, NaN (unused cache slots) included."""
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
+
+
+def _token_indices(index: torch.Tensor | slice) -> list[int]:
+    return list(range(index.start, index.stop)) if isinstance(index, slice) else index.tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", PLANNED_BATCHES)
-def test_planned_attention_equals_the_checked_op_for_every_layer(name, dtype):
-    """One plan serves several layers (caches) and equals the one-call op on each."""
+def test_one_plan_serves_every_layer(name, dtype):
+    """One plan over a two-layer cache equals a plan per layer, and the reference, on each."""
     first = make_ragged_batch(
         BATCHES[name], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype,
         seed=11,
@@ -44,117 +47,184 @@ def test_planned_attention_equals_the_checked_op_for_every_layer(name, dtype):
         value_cache=first.value_cache.flip(-1),
     )
     layers = [first, second]
-    plan = _plan(layers[0])
-    for batch in layers:
-        planned = paged_attention_planned(
-            batch.query, batch.key_cache, batch.value_cache, plan, batch.scale
-        )
-        assert torch.equal(planned, ops.paged_attention(*batch.attention_args()))
+    kv_cache = torch.cat([batch.kv_cache() for batch in layers])  # [2, 2, blocks, ...]
+    positions, metadata, _ = step_inputs(first)
+    plan = backend.plan(positions, metadata, kv_cache, first.max_position)
+    for layer, batch in enumerate(layers):
+        key_cache, value_cache = kv_cache[layer]
+        out = backend.paged_attention(batch.query, key_cache, value_cache, plan, batch.scale)
+        assert torch.equal(out, run_attention(backend, batch))
         expected = reference_attention(batch)
-        torch.testing.assert_close(planned.double(), expected, atol=ATTENTION_ATOL[dtype], rtol=0)
+        torch.testing.assert_close(out.double(), expected, atol=ATTENTION_ATOL[dtype], rtol=0)
 
 
-def test_plan_rows_and_length_groups():
+def _plan(rows, block_size=16, seed=8):
     batch = make_ragged_batch(
-        BATCHES["varied_decodes"], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-        dtype=torch.float32, seed=8,
+        rows, num_heads=4, num_kv_heads=2, head_dim=64, block_size=block_size,
+        dtype=torch.float32, seed=seed,
     )  # fmt: skip
-    plan = _plan(batch)
+    positions, metadata, kv_cache = step_inputs(batch)
+    return backend.plan(positions, metadata, kv_cache, batch.max_position).attention, batch
+
+
+def test_plan_decode_groups():
+    plan, _ = _plan(BATCHES["varied_decodes"])
     # 1, 2, 19 and 63 blocks: groups of block counts 1, 2, 17-32, 33-64; one prompt row
     assert sorted(group.num_rows for group in plan.decode_groups) == [1, 1, 2, 2]
-    assert [(row.start, row.end, row.ctx_len) for row in plan.prompt_rows] == [(6, 10, 4)]
-    decode_only = make_ragged_batch(
-        BATCHES["decode_only"], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-        dtype=torch.float32, seed=8,
-    )  # fmt: skip
-    plan = _plan(decode_only)
+    (prompt,) = plan.prompt_groups
+    assert (prompt.num_rows, prompt.padded_q, prompt.padded_len) == (1, 4, 4)
+    assert prompt.tokens == slice(6, 10) and prompt.valid == slice(0, 4)
+    assert prompt.mask is None  # a whole prompt: plain causal
+    plan, decode_only = _plan(BATCHES["decode_only"])
     (group,) = plan.decode_groups
-    assert group.tokens == slice(0, 5) and group.padded_len == 48 and not plan.prompt_rows
+    assert group.tokens == slice(0, 5) and group.padded_len == 48 and not plan.prompt_groups
     assert group.mask is not None and group.mask.sum() == int(decode_only.context_lens.sum())
     # every (slot, head) row read is inside the cache
     num_rows = decode_only.key_cache.numel() // 64
     assert group.kv_rows.shape == (5 * 2 * 48,) and int(group.kv_rows.max()) < num_rows
 
 
-def test_plan_rejects_bad_metadata_and_mismatched_tensors():
-    batch = make_ragged_batch(
+def test_plan_prompt_groups_of_several_chunk_lengths():
+    plan, batch = _plan(BATCHES["prompt_groups"])
+    # prompt rows by block count: 1 (rows 0, 9), 2 (rows 1, 2, 8), 4 (rows 3, 4), 9 (row 5)
+    shapes = [(group.num_rows, group.padded_q, group.padded_len) for group in plan.prompt_groups]
+    assert shapes == [(2, 5, 5), (3, 17, 32), (2, 64, 64), (1, 64, 134)]
+    assert all(group.mask is not None for group in plan.prompt_groups)
+    assert plan.prompt_groups[3].tokens == slice(106, 170)
+    assert _token_indices(plan.prompt_groups[0].tokens) == [0, 1, 2, 175, 176, 177, 178, 179]
+    # every query token is computed once, by one decode or prompt group
+    tokens = [
+        token
+        for group in (*plan.decode_groups, *plan.prompt_groups)
+        for token in _token_indices(group.tokens)
+    ]
+    assert sorted(tokens) == list(range(batch.query.shape[0]))
+    for group in plan.prompt_groups:
+        assert len(_token_indices(group.valid)) == len(_token_indices(group.tokens))
+        assert group.query_rows.shape == (group.num_rows * group.padded_q,)
+
+
+def test_prompt_group_of_the_documented_example():
+    """Two rows, (cached 2, query 2) and (cached 0, query 3), in one group (``PromptGroup``)."""
+    plan, _ = _plan([(2, 2), (0, 3)], block_size=4)
+    (group,) = plan.prompt_groups
+    assert (group.num_rows, group.padded_q, group.padded_len) == (2, 3, 4)
+    assert group.query_rows.tolist() == [0, 1, 1, 2, 3, 4]  # padding repeats a row's last token
+    expected_mask = [
+        [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]],
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]],
+    ]
+    assert group.mask is not None and group.mask[:, 0].int().tolist() == expected_mask
+    assert _token_indices(group.valid) == [0, 1, 3, 4, 5] and group.tokens == slice(0, 5)
+
+
+def _rejected_batch():
+    """Rows (cached 3, query 1) and (cached 0, query 4): 5 tokens, block tables of 2 blocks of
+    16 (capacity 32), 5 blocks of 16 slots in the cache."""
+    return make_ragged_batch(
         [(3, 1), (0, 4)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
         dtype=torch.float32, seed=5,
     )  # fmt: skip
-    too_short = batch.context_lens.clone()
-    too_short[1] = 3
-    with pytest.raises(KernelInputError, match="row 1 of 4 query tokens has context_len 3"):
-        plan_paged_attention(
-            batch.query_start, too_short, batch.block_tables, block_size=16, num_kv_heads=2,
-            num_tokens=5,
-        )  # fmt: skip
-    with pytest.raises(KernelInputError, match="query_start must run from 0 to num_tokens 6"):
-        plan_paged_attention(
-            batch.query_start, batch.context_lens, batch.block_tables, block_size=16,
-            num_kv_heads=2, num_tokens=6,
-        )  # fmt: skip
-    plan = _plan(batch)
-    with pytest.raises(KernelInputError, match="the plan is for 5 tokens"):
-        paged_attention_planned(batch.query[:4], batch.key_cache, batch.value_cache, plan, 0.1)
 
 
-def _step(slot_mapping, positions, max_position=64, num_slots=20):
-    query_start = torch.tensor([0, len(positions)], dtype=torch.int32)
-    return ops.plan_step(
-        torch.tensor(positions),
-        torch.tensor(slot_mapping),
-        query_start,
-        torch.tensor([len(positions)], dtype=torch.int32),
-        torch.tensor([[0, 1, 2, 3, 4]], dtype=torch.int32),
-        build_cos_sin_cache(64, max_position, 10000.0, None),
-        block_size=4,
-        num_kv_heads=3,
-        num_slots=num_slots,
+def _int32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# name -> (changes to the metadata, or positions / kv_cache / max_position; the error's words)
+BAD_STEPS = {
+    "positions int32": ({"positions": torch.tensor([3, 0, 1, 2, 3], dtype=torch.int32)},
+                        "positions must be torch.int64"),
+    "position past the table": ({"max_position": 3}, r"positions must be in \[0, 3\)"),
+    "negative position": ({"positions": torch.tensor([3, 0, 1, -1, 3])}, "positions must be in"),
+    "slot_mapping int32": ({"slot_mapping": _int32(0, 1, 2, 3, 4)},
+                           "slot_mapping must be torch.int64"),
+    "slot_mapping short": ({"slot_mapping": torch.tensor([0, 1, 2, 3])},
+                           "slot_mapping has 4 slots for 5 tokens"),
+    "slot past the cache": ({"slot_mapping": torch.tensor([0, 1, 2, 3, 80])},
+                            r"slot_mapping must hold -1 or slots in \[0, 80\)"),
+    "slot below -1": ({"slot_mapping": torch.tensor([0, -2, 2, 3, 4])},
+                      "slot_mapping must hold -1 or slots"),
+    "query_start int64": ({"query_start": torch.tensor([0, 1, 5])},
+                          "query_start must be torch.int32"),
+    "query_start rows": ({"query_start": _int32(0, 5)}, "query_start has 2 entries for 2 rows"),
+    "block_tables 1-D": ({"block_tables": _int32(0, 1)}, "block_tables must have 2 dimension"),
+    "block_tables rows": ({"block_tables": _int32(0, 1)[None]}, "block_tables has 1 rows"),
+    "max_query_len tensor": ({"max_query_len": torch.tensor(4)}, "must be Python ints"),
+    "max_query_len too long": ({"max_query_len": 5, "max_context_len": 4},
+                               "max_query_len 5 must be in"),
+    "query_start short of the tokens": ({"query_start": _int32(0, 1, 4)},
+                                        "query_start must run from 0 to num_tokens 5"),
+    "query_start decreases": ({"query_start": _int32(0, 6, 5), "context_lens": _int32(10, 4)},
+                              "query_start decreases at row 1: 6 -> 5"),
+    "prompt context too short": ({"context_lens": _int32(4, 3)},
+                                 "row 1 of 4 query tokens has context_len 3"),
+    "prompt context past the table": ({"context_lens": _int32(4, 33)},
+                                      r"context_len 33 \(must be in \[4, 32\]\)"),
+    "decode context past the table": ({"context_lens": _int32(33, 4)},
+                                      r"decode context_lens must be in \[1, 32\]"),
+    "empty decode context": ({"context_lens": _int32(0, 4)}, "decode context_lens must be in"),
+    "slot_mapping on another device": ({"slot_mapping": torch.zeros(5, dtype=torch.int64,
+                                                                    device="meta")},
+                                       "slot_mapping is on meta, expected cpu"),
+    "kv_cache of one layer's caches": ({"kv_cache": torch.zeros(2, 4, 16, 2, 64)},
+                                       "kv_cache must be"),
+    "kv_cache not contiguous": ({"kv_cache": torch.zeros(1, 2, 4, 16, 64, 2).transpose(-1, -2)},
+                                "kv_cache must be contiguous"),
+    "kv_cache of integers": ({"kv_cache": torch.zeros(1, 2, 4, 16, 2, 64, dtype=torch.int32)},
+                             "kv_cache must be floating"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BAD_STEPS)
+def test_plan_rejects_bad_steps(name):
+    changes, message = BAD_STEPS[name]
+    changes = dict(changes)
+    batch = _rejected_batch()
+    positions = changes.pop("positions", batch.positions())
+    kv_cache = changes.pop("kv_cache", batch.kv_cache())
+    max_position = changes.pop("max_position", 64)
+    metadata = batch.metadata(**changes)
+    with pytest.raises(KernelInputError, match=message):
+        backend.plan(positions, metadata, kv_cache, max_position)
+
+
+def test_plan_accepts_the_unchanged_step():
+    batch = _rejected_batch()
+    assert backend.plan(*step_inputs(batch), 64).attention.num_tokens == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attend_stores_the_layer_then_attends(dtype):
+    """``attend`` equals ``store_kv`` then ``paged_attention`` on the plan's cache of the layer,
+    skips the tokens whose slot is -1, leaves the other layers alone, and matches the reference."""
+    batch = make_ragged_batch(
+        BATCHES["mixed"], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype,
+        seed=12,
+    )  # fmt: skip
+    positions, metadata, one_layer = step_inputs(batch)
+    slot_mapping = metadata.slot_mapping.clone()
+    slot_mapping[5] = -1  # row 1's decode token: attends over the K/V already cached there
+    metadata = replace(metadata, slot_mapping=slot_mapping)
+    kv_cache = torch.cat((one_layer, -one_layer))  # two layers
+    num_tokens = batch.query.shape[0]
+    generator = torch.Generator().manual_seed(13)
+    key, value = (torch.randn(num_tokens, 3, 64, generator=generator).to(dtype) for _ in "kv")
+    halves = kv_cache.clone()
+
+    plan = backend.plan(positions, metadata, kv_cache, batch.max_position)
+    out = backend.attend(batch.query, key, value, plan, 1, batch.scale)
+    halves_plan = backend.plan(positions, metadata, halves, batch.max_position)
+    backend.store_kv(key, value, halves[1, 0], halves[1, 1], halves_plan)
+    expected = backend.paged_attention(batch.query, *halves[1], halves_plan, batch.scale)
+    assert torch.equal(out, expected)
+    _assert_same(kv_cache, halves)
+
+    key_cache, value_cache = -batch.key_cache, -batch.value_cache
+    reference_store_kv(key, value, key_cache, value_cache, slot_mapping)
+    _assert_same(kv_cache[1], torch.stack((key_cache, value_cache)))
+    _assert_same(kv_cache[0], one_layer[0])
+    stored = replace(batch, key_cache=key_cache, value_cache=value_cache)
+    torch.testing.assert_close(
+        out.double(), reference_attention(stored), atol=ATTENTION_ATOL[dtype], rtol=0
     )
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_planned_store_and_rotary_equal_the_checked_ops(dtype):
-    generator = torch.Generator().manual_seed(1)
-    num_tokens, num_heads, num_kv_heads = 7, 6, 3
-    positions = [0, 1, 2, 3, 4, 5, 63]
-    slot_mapping = [19, 0, -1, 4, 7, -1, 12]
-    plan = _step(slot_mapping, positions)
-    fused = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, 64, generator=generator)
-    fused = fused.to(dtype)  # [num_tokens, q + k + v heads, head_dim]
-    expected = fused.clone()
-    query, key = expected[:, :num_heads], expected[:, num_heads : num_heads + num_kv_heads]
-    cache = build_cos_sin_cache(64, 64, 10000.0, None)
-    ops.rotary_embedding(torch.tensor(positions), query, key, cache)
-    ops.rotary_embedding_planned(fused[:, : num_heads + num_kv_heads], plan)
-    assert torch.equal(fused, expected)
-
-    caches = [torch.randn(5, 4, num_kv_heads, 64, generator=generator).to(dtype) for _ in "kv"]
-    expected_caches = [cache.clone() for cache in caches]
-    key, value = fused[:, num_heads : num_heads + 3], fused[:, num_heads + 3 :]
-    ops.store_kv(key, value, *expected_caches, torch.tensor(slot_mapping))
-    ops.store_kv_planned(key, value, *caches, plan)
-    assert all(torch.equal(a, b) for a, b in zip(caches, expected_caches, strict=True))
-
-
-def test_plan_step_rejects_slots_and_positions_out_of_range():
-    with pytest.raises(KernelInputError, match="slot_mapping must hold -1 or slots in"):
-        _step([0, 20], [0, 1])
-    with pytest.raises(KernelInputError, match="slot_mapping must hold -1 or slots in"):
-        _step([-2, 1], [0, 1])
-    with pytest.raises(KernelInputError, match="positions must be in"):
-        _step([0, 1], [0, 64])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_add_rms_norm_equals_rms_norm(dtype):
-    generator = torch.Generator().manual_seed(2)
-    x, residual = (torch.randn(5, 96, generator=generator).to(dtype) for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(96, generator=generator)).to(dtype)
-    normed, summed = ops.add_rms_norm(x, residual, weight, 1e-6)
-    expected_normed, expected_summed = ops.rms_norm(x, weight, 1e-6, residual)
-    assert torch.equal(normed, expected_normed) and torch.equal(summed, expected_summed)
-    normed, summed = ops.add_rms_norm(x, None, weight, 1e-6)
-    assert torch.equal(normed, ops.rms_norm(x, weight, 1e-6)) and summed is x
-    with pytest.raises(KernelInputError, match="residual"):
-        ops.add_rms_norm(x, residual[:2], weight, 1e-6)

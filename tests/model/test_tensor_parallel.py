@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from engine.config import EngineConfig
 from engine.input_builder import build_model_input
 from engine.llm_engine import LLMEngine
-from engine.tp_sharding import TensorParallelConfigError
+from engine.tensor_parallel.sharding import TensorParallelConfigError
 from scheduler.batch import BatchRow, ScheduledBatch
 from scheduler.sampling_params import SamplingParams
 from tests.model.parity_helpers import (
@@ -78,7 +78,7 @@ def engines(request, tmp_path_factory):
     sharded = _engine(model_dir, 2)
     yield single, sharded, model_dir
     sharded.shutdown()
-    assert all(not process.is_alive() for process in sharded.tp_group.processes)
+    assert all(not process.is_alive() for process in sharded.executor.group.processes)
 
 
 def test_ragged_logits_equal_at_tp1_and_tp2(engines) -> None:
@@ -101,9 +101,7 @@ def test_ragged_logits_equal_at_tp1_and_tp2(engines) -> None:
         inputs = build_model_input(ScheduledBatch(rows=rows), block_size=BLOCK_SIZE)
         inputs = dataclasses.replace(inputs, sample_rows=torch.arange(inputs.num_tokens))
         runner = single.runner
-        want = runner.model(
-            inputs.input_ids, inputs.positions, inputs.metadata, runner.kv_cache, inputs.sample_rows
-        )
+        want = runner.run(inputs)
         got = sharded.runner.run(inputs)
         assert got.shape == want.shape == (inputs.num_tokens, vocab)
         worst = max(worst, (got - want).abs().max().item())

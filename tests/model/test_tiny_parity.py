@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -100,9 +101,8 @@ def test_ragged_logits_match_transformers(model_dir, hf_model) -> None:
             for name, start, end in step
         )
         inputs = build_model_input(ScheduledBatch(rows=rows), block_size=4)
-        every_token = torch.arange(inputs.num_tokens)
-        logits = runner.model(
-            inputs.input_ids, inputs.positions, inputs.metadata, runner.kv_cache, every_token
+        logits = runner.run(
+            dataclasses.replace(inputs, sample_rows=torch.arange(inputs.num_tokens))
         )
         offset = 0
         for row in rows:

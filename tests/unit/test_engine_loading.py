@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.weights import WeightsError, safetensors_files
+
+REPO = Path(__file__).resolve().parents[2]
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -136,7 +141,7 @@ def test_missing_and_misshapen_weights_are_clear_errors(tiny_llama_dir, tmp_path
     missing = _copy_model(
         tiny_llama_dir, tmp_path / "missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight")
     )
-    with pytest.raises(ValueError, match="missing from the checkpoint: layers.1.mlp.gate_up"):
+    with pytest.raises(ValueError, match="missing from the checkpoint: model.layers.1.mlp.gate_up"):
         LLMEngine(EngineConfig(model=str(missing), dtype="float32", num_kv_blocks=8))
 
     def shrink(tensors: dict) -> None:
@@ -155,14 +160,46 @@ def test_bfloat16_load_runs(tiny_qwen2_dir) -> None:
 # -- device, dtype, backend -----------------------------------------------------------------
 
 
-def test_auto_dtype_follows_cpu_flags(monkeypatch) -> None:
+def test_auto_dtype_is_bfloat16_where_the_cpu_runs_it(monkeypatch) -> None:
     cpu = torch.device("cpu")
-    monkeypatch.setattr(device_module, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    monkeypatch.setattr(device_module, "cpu_runs_bf16", lambda: True)
     assert device_module.resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(device_module, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(device_module, "cpu_runs_bf16", lambda: False)
     assert device_module.resolve_dtype("auto", cpu) == torch.float32
     assert device_module.resolve_dtype("float16", cpu) == torch.float16
     assert device_module.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_bfloat16_hardware_needs_the_cpu_flags(monkeypatch) -> None:
+    monkeypatch.setattr(device_module, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    device_module.cpu_runs_bf16.cache_clear()
+    try:
+        assert not device_module.cpu_runs_bf16()
+    finally:
+        device_module.cpu_runs_bf16.cache_clear()
+
+
+def test_bfloat16_runs_where_onednn_refuses_to_pack_it(tiny_llama_dir) -> None:
+    """An AVX2-only CPU, as oneDNN sees it (its ISA capped): ``auto`` picks float32, and a
+    bfloat16 model asked for anyway loads and runs with unpacked weights instead of failing."""
+    script = (
+        "import torch\n"
+        "from engine.device import cpu_runs_bf16, resolve_dtype\n"
+        "from engine.packed_linear import can_pack\n"
+        "from engine import LLM\n"
+        "from scheduler.sampling_params import SamplingParams\n"
+        "assert not cpu_runs_bf16()\n"
+        "assert resolve_dtype('auto', torch.device('cpu')) == torch.float32\n"
+        "assert not can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))\n"
+        f"llm = LLM(model={str(tiny_llama_dir)!r}, dtype='bfloat16')\n"
+        "out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=4))\n"
+        "assert len(out[0].outputs[0].token_ids) == 4\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch) -> None:

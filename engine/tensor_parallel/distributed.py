@@ -5,8 +5,8 @@ Two groups are made, in the same order on every rank:
 
 - the default group (NCCL on CUDA, gloo on CPU) carries the model's all-reduces and all-gathers,
   with a bounded timeout, so a rank that hangs mid-step fails the step instead of hanging it;
-- a gloo control group carries rank 0's per-step inputs (``engine/tp_protocol.py``). Ranks other
-  than 0 wait on it while the engine is idle, so its timeout is long.
+- a gloo control group carries rank 0's per-step inputs (``engine/tensor_parallel/protocol.py``).
+  Ranks other than 0 wait on it while the engine is idle, so its timeout is long.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import torch
 
 from engine.input_builder import build_model_input
 from engine.model_config import ModelConfig
-from engine.tp_protocol import HEADER_SIZE, pack_model_input, unpack_model_input
-from engine.tp_sharding import (
+from engine.tensor_parallel.protocol import HEADER_SIZE, pack_model_input, unpack_model_input
+from engine.tensor_parallel.sharding import (
     HeadShard,
     TensorParallelConfigError,
     check_tensor_parallel,
@@ -92,7 +92,7 @@ def test_pack_and_unpack_round_trip_every_input() -> None:
     header, payload = pack_model_input(inputs)
     assert header.shape == (HEADER_SIZE,) and header.dtype == torch.int64
     assert payload.numel() == 3 * 6 + 4 + 3 + 3 * 2 + 2
-    # the receiver's payload size formula (engine/tp_protocol.receive_step)
+    # the receiver's payload size formula (engine/tensor_parallel/protocol.receive_step)
     h = header.tolist()
     assert payload.numel() == h[1] * 3 + h[2] * (2 + h[3]) + 1 + h[4]
     got = unpack_model_input(header, payload)

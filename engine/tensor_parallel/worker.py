@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.device import resolve_device
-from engine.distributed import (
+from engine.model_runner import ModelRunner
+from engine.tensor_parallel.distributed import (
     DistributedSetup,
     connect_loopback_store,
     join_process_group,
@@ -30,8 +31,7 @@ from engine.distributed import (
     threads_per_rank,
     torchrun_environment,
 )
-from engine.model_runner import ModelRunner
-from engine.tp_protocol import receive_step
+from engine.tensor_parallel.protocol import receive_step
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,7 @@ def run_worker(setup: DistributedSetup) -> None:
     )
     num_steps = 0
     while (inputs := receive_step(setup.control_group, setup.device)) is not None:
-        runner.model(
-            inputs.input_ids, inputs.positions, inputs.metadata, runner.kv_cache, inputs.sample_rows
-        )
+        runner.run(inputs)
         num_steps += 1
     logger.info("rank %d stopping after %d steps", setup.parallel.rank, num_steps)
     leave_process_group()

@@ -2,7 +2,7 @@
 sends each step's inputs before running its own share of the forward pass, and watches the
 workers it started.
 
-    rank 0 (engine thread)                      ranks 1..N-1 (engine/tp_worker.py)
+    rank 0 (engine thread)                      ranks 1..N-1 (engine/tensor_parallel/worker.py)
     schedule -> build inputs -> send_step  ---> receive_step
              -> forward (all-reduce per layer <-> forward)
              -> sample -> update
@@ -30,7 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.distributed import (
+from engine.executor import ExecutorFailedError
+from engine.input_builder import ModelInput, build_model_input
+from engine.model_runner import ModelRunner
+from engine.sampler import SamplerOutput
+from engine.tensor_parallel.distributed import (
     MODEL_TIMEOUT,
     DistributedSetup,
     join_process_group,
@@ -40,10 +44,8 @@ from engine.distributed import (
     threads_per_rank,
     torchrun_environment,
 )
-from engine.input_builder import ModelInput, build_model_input
-from engine.model_runner import ModelRunner
-from engine.tp_protocol import send_step, send_stop
-from engine.tp_worker import spawned_worker_main
+from engine.tensor_parallel.protocol import send_step, send_stop
+from engine.tensor_parallel.worker import spawned_worker_main
 from scheduler.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ STOP_TIMEOUT_SECONDS = 10.0
 DEATH_GRACE_SECONDS = 0.5
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(ExecutorFailedError):
     """A tensor-parallel rank failed; the engine cannot run another step."""
 
 
@@ -205,18 +207,34 @@ class TensorParallelRunner(ModelRunner):
         ``[num_sampled, vocab_size]``."""
         with self.group.step():
             send_step(inputs, self.group.control_group)
-            return self.model(
-                inputs.input_ids,
-                inputs.positions,
-                inputs.metadata,
-                self.kv_cache,
-                inputs.sample_rows,
-            )
+            return super().run(inputs)
+
+
+class TensorParallelExecutor:
+    """The engine's executor for world size > 1 (``engine/executor.py``): rank 0's runner and
+    its handle on the other ranks."""
+
+    def __init__(self, group: TensorParallelGroup, runner: TensorParallelRunner) -> None:
+        self.group = group
+        self.runner = runner
+
+    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
+        self.group.check_alive()
+        return self.runner.execute(batch)
+
+    def drop_requests(self, request_ids: list[str]) -> None:
+        self.runner.drop_requests(request_ids)
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        self.group.add_failure_listener(listener)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
 
 
 def start_tensor_parallel(
     world_size: int, runner_kwargs: dict[str, Any], num_threads: int | None
-) -> tuple[TensorParallelGroup, TensorParallelRunner]:
+) -> TensorParallelExecutor:
     """Starts ranks 1..world_size-1 on this machine (or joins torchrun's group as rank 0), sends
     them ``runner_kwargs`` (``ModelRunner`` arguments) and builds rank 0's runner. Every rank
     loads only its shard."""
@@ -269,7 +287,7 @@ def start_tensor_parallel(
         dist.get_backend(),
         group.worker_pids,
     )
-    return group, runner
+    return TensorParallelExecutor(group, runner)
 
 
 def _spawn_workers(

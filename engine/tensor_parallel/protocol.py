@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.input_builder import AttentionMetadata, ModelInput
+from engine.input_builder import ModelInput
+from kernels import AttentionMetadata
 
 HEADER_SIZE = 7
 

@@ -1,0 +1,294 @@
+"""The engine's speed as a fraction of this machine's own limits, measured in one process.
+
+    python benchmarks/roofline.py                 # the default model, as served (auto dtype)
+    python benchmarks/roofline.py --dtype float32 --skip-served
+
+Limits, measured first:
+    read bandwidth   bytes/s of a streaming read (``max``) over tensors of the byte sizes of
+                     the model's weights, best of several passes
+    matmul FLOP/s    a large matrix product in the serving dtype (and float32, for reference)
+
+Then the engine on the model (compiled step graphs, as ``splitfuse serve`` runs them):
+    one stream       median decode step vs weight bytes read per step / read bandwidth
+                     (target: <= 1.3x)
+    32 streams       output tokens/s of 32 requests decoding at context ~256, vs one stream
+                     (target: >= 4x)
+    prefill          prompt tokens/s of 64 prompts x 512 tokens vs FLOP/s / FLOPs per token
+                     (target: >= 50%)
+    served           ``splitfuse bench`` (32 concurrent 512/64 requests) against a server on
+                     this model vs the same workload on the in-process engine (target: within 15%)
+
+Every figure holds for this machine only: the CPU model is printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        match = re.search(r"Model name:\s*(.+)", out)
+        if match:
+            return match.group(1).strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+# -- the machine's limits -------------------------------------------------------------------
+
+
+def weight_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """Every matrix a decode step reads: per layer QKV, O, gate+up, down; then the LM head."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * head_dim
+    layer = [
+        (qkv, hidden),
+        (hidden, config.num_heads * head_dim),
+        (2 * config.intermediate_size, hidden),
+        (hidden, config.intermediate_size),
+    ]
+    return layer * config.num_layers + [(config.vocab_size, hidden)]
+
+
+def read_bandwidth(shapes: list[tuple[int, int]], dtype: torch.dtype, passes: int = 7) -> float:
+    """Bytes/s of ``max`` over freshly written float32 tensors of the byte sizes of weights of
+    these shapes and dtype (best pass). float32: its ``max`` is vectorized on every CPU, where a
+    bfloat16 one converts element by element and measures the conversion instead."""
+    tensors = [torch.ones(rows * cols * dtype.itemsize // 4) for rows, cols in shapes]
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        for tensor in tensors:
+            tensor.max()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def matmul_flops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a ``size``-cubed matrix product (best of ``repeats``): the faster of ATen's
+    ``a @ b`` and oneDNN's product with a packed weight, where the CPU packs this dtype (on AMD
+    CPUs MKL's float32 product runs at about half of oneDNN's)."""
+    from engine.packed_linear import PackedWeight, can_pack, packed_linear
+
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    products = [lambda: a @ b]
+    if can_pack(b):
+        packed = PackedWeight(b)
+        products.append(lambda: packed_linear(a, packed, size, None))
+    best = float("inf")
+    for product in products:
+        product()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+# -- the engine -----------------------------------------------------------------------------
+
+
+def decode_step_seconds(engine: LLMEngine, num_streams: int, context: int, steps: int) -> float:
+    """Median time of a step in which ``num_streams`` requests at context ~``context`` each
+    decode one token."""
+    prompts = _random_prompts(num_streams, context, engine.model_config.vocab_size, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"decode-{num_streams}-{index}", prompt, params)
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        # a pure decode step: one token per running request
+        if engine.stats().last_step_num_tokens == num_streams and engine.stats().num_waiting == 0:
+            times.append(seconds)
+    return statistics.median(times[1:] or times)
+
+
+def prefill_tokens_per_second(engine: LLMEngine, num_prompts: int, prompt_len: int) -> float:
+    prompts = _random_prompts(num_prompts, prompt_len, engine.model_config.vocab_size, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"prefill-{index}", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return num_prompts * prompt_len / (time.perf_counter() - start)
+
+
+def _random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    low = vocab_size // 10
+    return torch.randint(low, vocab_size, (count, length), generator=generator).tolist()
+
+
+def flops_per_prompt_token(config: ModelConfig, mean_context: float) -> float:
+    """Matrix products of a layer stack (the LM head runs on one row per prompt) plus the
+    attention scores and weighted sums over ``mean_context`` tokens."""
+    matmul = sum(rows * cols for rows, cols in weight_shapes(config)[:-1])
+    attention = 2 * config.num_heads * config.head_dim * mean_context * config.num_layers
+    return 2 * (matmul + attention)
+
+
+# -- served vs offline ----------------------------------------------------------------------
+
+
+def _run_server(args: argparse.Namespace, port: int, log_path: str, workload: Any) -> dict:
+    """Starts ``splitfuse serve`` on the model, waits until its graphs are compiled, runs the
+    workload against it, stops it."""
+    from server.bench import run_against_server
+
+    command = [
+        sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())",
+        "serve", args.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
+        "--log-level", "info",
+    ]  # fmt: skip
+    log_file = open(log_path, "w")  # noqa: SIM115 - the server's whole life
+    server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 600
+        while "step graphs ready" not in Path(log_path).read_text():
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not compile its graphs (log: {log_path})")
+            if "not used" in Path(log_path).read_text():
+                break
+            time.sleep(1)
+        served = asyncio.run(run_against_server(f"http://127.0.0.1:{port}", workload))
+    finally:
+        server.terminate()
+        server.wait(60)
+        log_file.close()
+    return served
+
+
+def served_vs_offline(engine: LLMEngine, args: argparse.Namespace) -> tuple[float, float]:
+    """Output tokens/s of 32 concurrent 512/64 requests: through a server, then offline."""
+    from server.bench import Workload, run_offline
+
+    workload = Workload(
+        num_prompts=args.served_requests,
+        input_len=512,
+        output_len=64,
+        concurrency=32,
+        vocab_size=engine.model_config.vocab_size,
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
+        served = _run_server(args, port, log.name, workload)
+    offline = run_offline(engine, workload)
+    for name, summary in (("served", served), ("offline", offline)):
+        if summary["failed"]:
+            raise RuntimeError(f"{name}: {summary['failed']} requests failed: {summary['errors']}")
+    return served["output_throughput"], offline["output_throughput"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    parser.add_argument("--decode-steps", type=int, default=48)
+    parser.add_argument("--prefill-prompts", type=int, default=64)
+    parser.add_argument("--served-requests", type=int, default=64)
+    parser.add_argument("--skip-served", action="store_true", help="no server run")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    start = time.perf_counter()
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            compile=True,
+            kv_cache_memory="2GiB",
+        )
+    )
+    ready = time.perf_counter() - start
+    engine.wait_until_compiled()
+    compiled = time.perf_counter() - start
+    config = engine.model_config
+    dtype = getattr(torch, engine.config.dtype)
+    shapes = weight_shapes(config)
+    weight_bytes = sum(rows * cols for rows, cols in shapes) * dtype.itemsize
+
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; torch {torch.__version__}")
+    print(
+        f"model: {engine.model_name} ({config.num_layers} layers, hidden {config.hidden_size}), "
+        f"{engine.config.dtype}; ready in {ready:.1f} s, graphs compiled after {compiled:.1f} s "
+        f"({engine.runner.graphs.mode})"
+    )
+    bandwidth = read_bandwidth(shapes, dtype)
+    flops = matmul_flops(dtype)
+    print(
+        f"limits: read {bandwidth / 1e9:.1f} GB/s over {weight_bytes / 1e6:.0f} MB of weights; "
+        f"matmul {flops / 1e9:.0f} GFLOP/s ({engine.config.dtype}), "
+        f"{matmul_flops(torch.float32) / 1e9:.0f} GFLOP/s (float32)"
+    )
+    print()
+    rows = []
+    one = decode_step_seconds(engine, 1, 256, args.decode_steps)
+    floor = weight_bytes / bandwidth
+    rows.append(
+        ("one stream decoding", f"{one * 1e3:.1f} ms/step", f"{one / floor:.2f}x the read floor "
+         f"({floor * 1e3:.1f} ms)", "<= 1.3x")
+    )  # fmt: skip
+    many = decode_step_seconds(engine, 32, 256, args.decode_steps)
+    rows.append(
+        ("32 streams decoding, ctx 256", f"{32 / many:.0f} tok/s ({many * 1e3:.0f} ms/step)",
+         f"{one * 32 / many:.1f}x one stream ({1 / one:.1f} tok/s)", ">= 4x")
+    )  # fmt: skip
+    prefill = prefill_tokens_per_second(engine, args.prefill_prompts, 512)
+    per_token = flops_per_prompt_token(config, mean_context=256)
+    rows.append(
+        (f"prefill {args.prefill_prompts} x 512", f"{prefill:.0f} tok/s",
+         f"{prefill / (flops / per_token):.0%} of the matmul bound "
+         f"({flops / per_token:.0f} tok/s at {per_token / 1e6:.0f} MFLOP/token)", ">= 50%")
+    )  # fmt: skip
+    if not args.skip_served:
+        served, offline = served_vs_offline(engine, args)
+        rows.append(
+            ("served vs offline, 32 x 512/64", f"{served:.0f} vs {offline:.0f} out tok/s",
+             f"{served / offline:.0%} of offline", ">= 85%")
+        )  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.exit(main())

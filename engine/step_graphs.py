@@ -1,0 +1,202 @@
+"""How the runner executes a step's forward: eager, or compiled graphs on CPUs.
+
+The model has one forward (``engine/models/llama.py``); this is the one wrapper around it. On a CPU
+with the torch attention backend and one process, the decoder stack (``LlamaModel``) is compiled by
+``torch.compile`` with dynamic shapes: one graph serves every token count from 2 up (prompt chunks,
+many requests decoding, mixes) and one more, specialized, serves a step of exactly one token (a
+single request decoding). Inductor fuses each layer's norms, residual adds, rotary and SwiGLU into
+a few C++ loops; the matrix products stay ATen's (MKL in float32) or ours (oneDNN with packed
+bfloat16 weights, ``engine/packed_linear.py``), and attention is the opaque ``splitfuse::attend``,
+so a graph holds no copy of the weights or of the KV cache. The LM head runs outside the graph on
+the sampling rows alone.
+
+    start()  -> mode "compiling": a thread compiles both graphs on dummy steps (over a scratch
+                KV cache of one block), while every step runs the eager forward
+             -> mode "compiled": steps go through the graphs, under the ``eager_on_recompile``
+                stance (a step no graph fits runs eagerly instead of stalling on a compile)
+             or mode "eager" for good, if compiling failed (logged)
+
+So the engine serves from the moment the weights are loaded; compiling (about a minute for the
+default model on 2 cores, less when inductor's caches in ``<splitfuse cache>/compile`` are warm)
+only makes steps faster once it is done. ``wait()`` blocks until it is (offline runs, benchmarks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+from engine.model_resolver import cache_dir
+
+logger = logging.getLogger(__name__)
+
+EAGER, COMPILING, COMPILED = "eager", "compiling", "compiled"
+
+# the thread that compiles (``compiling_in_background`` looks for it)
+COMPILE_THREAD_NAME = "splitfuse-compile"
+
+# token counts of the warm-up steps: the dynamic graph (traced at 2, sizes >= 2), then the
+# one-token graph (a size-1 dimension is always specialized)
+WARM_UP_TOKENS = (2, 1)
+
+
+def compile_unsupported(device: torch.device, attention_backend: str, world_size: int) -> str:
+    """Why compiled steps cannot run here ('' when they can)."""
+    if device.type != "cpu":
+        return "compiled steps are built for CPUs"
+    if attention_backend != "torch":
+        return "compiled steps need the torch attention backend"
+    if world_size > 1:
+        return "tensor-parallel ranks run the eager forward"
+    return ""
+
+
+def _set_cache_dir() -> None:
+    """Points inductor's on-disk caches at the splitfuse cache, unless the user chose a place
+    (importing torch._dynamo already sets the variable to inductor's default: that one is not
+    a choice)."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "compile")
+
+
+def resident_mib() -> float:
+    """This process's resident memory (MiB); 0 where /proc is not there."""
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+    except OSError:
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _own_forward(stack: nn.Module) -> Callable[..., torch.Tensor]:
+    """``stack.forward`` bound to a copy of its code object. The compiler keeps its graphs, and
+    counts them against its recompile limit, per code object: with the class's own, every model
+    built in one process (tests, a benchmark's two engines) would share one cache and one limit.
+    The module itself stays eager and shares its weights with the graphs."""
+    function = type(stack).forward
+    fresh = types.FunctionType(
+        function.__code__.replace(),  # an equal but distinct code object
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    return types.MethodType(fresh, stack)
+
+
+def compiling_in_background() -> bool:
+    """True while a compile thread runs. It cannot be stopped, and the interpreter's exit
+    aborts under it (the compiler's C++ threads): a process that ends then leaves with
+    ``os._exit``."""
+    return any(
+        thread.name == COMPILE_THREAD_NAME and thread.is_alive() for thread in threading.enumerate()
+    )
+
+
+class StepGraphs:
+    """Runs ``model(input_ids, positions, plan, sample_rows)``, through compiled graphs once
+    they are ready."""
+
+    # what a step that no graph fits does once the graphs are ready (tests make it fail)
+    stance = "eager_on_recompile"
+
+    def __init__(self, model: nn.Module, compile: bool, unsupported: str = "") -> None:
+        self.model = model
+        self.mode = EAGER
+        self.compile_seconds: float | None = None
+        self._stack: Callable[..., torch.Tensor] | None = None
+        self._done = threading.Event()
+        self._done.set()
+        if compile and unsupported:
+            logger.info("compile: not used (%s)", unsupported)
+        elif compile:
+            _set_cache_dir()
+            self._stack = torch.compile(
+                _own_forward(model.model),
+                dynamic=True,
+                # the code object is this model's alone, and its modules never change after
+                # loading: guarding every parameter costs ~0.6 ms a step for nothing
+                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            )
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: Any,
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.mode != COMPILED:
+            return self.model(input_ids, positions, plan, sample_rows)
+        with torch.compiler.set_stance(self.stance):
+            hidden = self._stack(input_ids, positions, plan)
+        return self.model.compute_logits(hidden, sample_rows)
+
+    def start(self, dummy_step: Callable[[int], tuple], background: bool = True) -> None:
+        """Compiles the graphs; ``dummy_step(num_tokens)`` gives the arguments of a step of that
+        many tokens that writes no block a request may hold. In the background by default."""
+        if self._stack is None:
+            return
+        self.mode = COMPILING
+        self._done.clear()
+        if not background:
+            self._compile(dummy_step)
+            return
+        threading.Thread(
+            target=self._compile, args=(dummy_step,), name=COMPILE_THREAD_NAME, daemon=True
+        ).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until compiling is over (or ``timeout`` seconds); True when it is."""
+        return self._done.wait(timeout)
+
+    def _compile(self, dummy_step: Callable[[int], tuple]) -> None:
+        start, rss_before = time.perf_counter(), resident_mib()
+        graphs_before = self.num_graphs()
+        try:
+            for num_tokens in WARM_UP_TOKENS:
+                # inputs made outside inference mode, as the runner's are: a graph guards on
+                # its inputs' dispatch keys, which inference tensors do not share
+                input_ids, positions, plan, _ = dummy_step(num_tokens)
+                # size-oblivious: the 2 of the trace is not specialized as "not 1"
+                oblivious = num_tokens > 1
+                with (
+                    torch.inference_mode(),
+                    torch.fx.experimental._config.patch(backed_size_oblivious=oblivious),
+                    # a graph that cannot be made is an error here, never a silent eager run
+                    torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+                ):
+                    self._stack(input_ids, positions, plan)
+        except Exception:  # a compiler failure must not take serving down: eager still works
+            logger.exception("compile: the step graphs failed to compile; running eager")
+            self.mode = EAGER
+            self._done.set()
+            return
+        self.compile_seconds = time.perf_counter() - start
+        self.mode = COMPILED
+        self._done.set()
+        logger.info(
+            "compile: step graphs ready in %.1f s (%d graphs; caches in %s); resident memory "
+            "%.0f MiB before, %.0f MiB after",
+            self.compile_seconds,
+            self.num_graphs() - graphs_before,
+            os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+            rss_before,
+            resident_mib(),
+        )
+
+    @staticmethod
+    def num_graphs() -> int:
+        """Graphs compiled in this process so far (every model's)."""
+        return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -1,0 +1,231 @@
+"""The PyTorch attention backend: the CPU serving path, and the reference of every Triton kernel.
+
+One object, used in two phases per step (the shape of every backend, see ``kernels/__init__.py``):
+
+    plan = backend.plan(positions, metadata, kv_cache, max_position)   # once: checks, indices
+    rope = backend.rope(positions, cos_sin_cache)                       # once: rotary rows
+    per layer: backend.rms_norm(...), backend.rotary(qk, rope),
+               backend.attend(q, k, v, plan, layer, scale)              # K/V store + attention
+
+The paged KV cache of a layer (one tensor for K, one for V), slot = block_id * block_size + offset:
+
+    key_cache [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table [7, 2], block_size 4, context_len 6 -> positions 0..3 in block 7, 4..5 in block 2
+
+``attend`` is the custom operator ``splitfuse::attend``: to ``torch.compile`` it is opaque, and the
+step's plan, which also holds the KV cache, is a reference-type opaque object, so a compiled graph
+neither specializes on a step's rows nor copies the cache it writes. Everything else here is plain
+tensor math that the compiler traces and fuses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
+
+from kernels.checks import (
+    KernelInputError,
+    check_attention_inputs,
+    check_kv_cache,
+    check_kv_inputs,
+    check_metadata,
+)
+from kernels.metadata import AttentionMetadata
+from kernels.torch_attention import AttentionPlan, paged_attention, plan_paged_attention
+
+__all__ = ["TorchBackend", "TorchStepPlan"]
+
+
+class TorchStepPlan(OpaqueBase):
+    """A step's checked metadata in the form every layer uses (``TorchBackend.plan``)."""
+
+    def __init__(
+        self,
+        attention: AttentionPlan,
+        store_slots: torch.Tensor,  # [num_stored] int64 cache slots of the stored tokens
+        store_tokens: torch.Tensor | None,  # [num_stored] their token indices; None: every token
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    ) -> None:
+        self.attention = attention
+        self.store_slots = store_slots
+        self.store_tokens = store_tokens
+        self.kv_cache = kv_cache
+
+
+register_opaque_type(TorchStepPlan, typ="reference")
+
+
+class TorchBackend:
+    name = "torch"
+
+    def plan(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        max_position: int,
+    ) -> TorchStepPlan:
+        """Checks a step's metadata (shapes and values: positions below ``max_position``, slots
+        inside the cache, row lengths; raises KernelInputError, changing nothing) and works out
+        what every layer reuses. One host read of the metadata per step."""
+        check_kv_cache(kv_cache)
+        check_metadata(positions, metadata, kv_cache.device)
+        num_tokens = positions.shape[0]
+        block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
+        num_slots = kv_cache.shape[2] * block_size
+        slot_mapping = metadata.slot_mapping
+        store_slots, store_tokens = slot_mapping, None
+        if num_tokens:
+            min_position, max_pos = (int(p) for p in positions.aminmax())
+            if min_position < 0 or max_pos >= max_position:
+                raise KernelInputError(f"positions must be in [0, {max_position})")
+            min_slot, max_slot = (int(slot) for slot in slot_mapping.aminmax())
+            if min_slot < -1 or max_slot >= num_slots:
+                raise KernelInputError(f"slot_mapping must hold -1 or slots in [0, {num_slots})")
+            if min_slot == -1:  # padding tokens
+                store_tokens = (slot_mapping >= 0).nonzero().squeeze(1)
+                store_slots = slot_mapping[store_tokens]
+        attention = plan_paged_attention(
+            metadata.query_start,
+            metadata.context_lens,
+            metadata.block_tables,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            num_tokens=num_tokens,
+        )
+        return TorchStepPlan(attention, store_slots, store_tokens, kv_cache)
+
+    def rope(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64, checked by ``plan``
+        cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32: cos half, sin half
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary rows of the step's tokens: (cos, sin), each [num_tokens, 1, head_dim]
+        float32, cos twice and (-sin, sin), so that ``rotary`` is two products and a sum."""
+        half = cos_sin_cache.shape[1] // 2
+        cos_sin = cos_sin_cache.index_select(0, positions)[:, None, :]
+        cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+    def rotary(
+        self,
+        heads: torch.Tensor,  # [num_tokens, num_heads, head_dim]: query and key heads
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Rotary embedding (Llama / GPT-NeoX rotate_half layout), in float32, returned in
+        ``heads``' dtype: x * cos + rotate_half(x) * sin, where rolling x by half a head turns
+        [x1, x2] into [x2, x1] and (-sin, sin) finishes rotate_half."""
+        cos, sin = rope
+        x = heads.float()
+        rotated = x * cos + torch.roll(x, heads.shape[-1] // 2, -1) * sin
+        return rotated.to(heads.dtype)
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        plan: TorchStepPlan,
+    ) -> None:
+        """Writes each token's K/V into its cache slot (tokens whose slot is -1 are skipped).
+        Checked: bad tensors raise KernelInputError and write nothing."""
+        check_kv_inputs(key, value, key_cache, value_cache)
+        _store_kv(key, value, key_cache, value_cache, plan)
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        plan: TorchStepPlan,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of the step's rows over the cache (``kernels/torch_attention.py``).
+        Checked: bad tensors raise KernelInputError and write nothing."""
+        check_attention_inputs(query, key_cache, value_cache, out)
+        return paged_attention(query, key_cache, value_cache, plan.attention, scale, out)
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        plan: TorchStepPlan,
+        layer: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Stores the layer's K/V and returns the attention of ``query`` [num_tokens, num_heads,
+        head_dim] over the layer's cache."""
+        return torch.ops.splitfuse.attend(query, key, value, plan, layer, scale)
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        weight: torch.Tensor,  # [hidden]
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(s) * weight, s)`` with ``s = x + residual`` (``s = x`` without one): the sum
+        in x.dtype, normalized in float32, rounded to x.dtype, then scaled by the weight (the
+        Hugging Face Llama order). ``s`` is the next layer's residual. Unchecked: for the
+        model's own tensors (a mismatched residual fails in the sum)."""
+        summed = x if residual is None else x + residual
+        normed = F.rms_norm(summed.float(), (x.shape[-1],), eps=eps)  # x * rsqrt(mean(x^2) + eps)
+        return normed.to(x.dtype) * weight.to(x.dtype), summed
+
+
+def _store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: TorchStepPlan,
+) -> None:
+    if key.shape[0] != plan.attention.num_tokens:
+        raise KernelInputError(f"key/value {tuple(key.shape)} do not match the step's plan")
+    if plan.store_tokens is not None:
+        key, value = key[plan.store_tokens], value[plan.store_tokens]
+    slot_shape = (-1, *key_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim] views
+    key_cache.view(slot_shape).index_copy_(0, plan.store_slots, key)
+    value_cache.view(slot_shape).index_copy_(0, plan.store_slots, value)
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: TorchStepPlan,
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    """The model's own tensors, unchecked per layer (``plan`` checked the step)."""
+    key_cache, value_cache = plan.kv_cache[layer]
+    _store_kv(key, value, key_cache, value_cache, plan)
+    return paged_attention(query, key_cache, value_cache, plan.attention, scale)
+
+
+def _attend_shape(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: TorchStepPlan,
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+# The low-level library API: torch.library.custom_op's Python wrapper costs ~90 us a call, more
+# than the attention of a short decode. The K/V write goes to the plan's cache, outside any graph.
+_LIBRARY = torch.library.Library("splitfuse", "FRAGMENT")
+_LIBRARY.define(
+    "attend(Tensor query, Tensor key, Tensor value, kernels.torch_backend.TorchStepPlan plan, "
+    "int layer, float scale) -> Tensor"
+)
+_LIBRARY.impl("attend", _attend, "CPU")
+_LIBRARY.impl("attend", _attend, "CUDA")
+_LIBRARY.impl("attend", _attend_shape, "Meta")

@@ -1,0 +1,183 @@
+"""The Triton attention backend: the same object as ``kernels/torch_backend.py``, with each op a
+Triton kernel. Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (the tests).
+
+``plan`` checks the step's metadata at the boundary; on the CPU (the interpreter), where reading
+them costs no device sync, it checks the index values too (slots, positions, row lengths). On CUDA
+the kernels never access memory outside the tensors for bad index values: such slots are not
+written and such positions not rotated. Per-layer calls check the tensors' shapes and layouts,
+which costs no sync.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.checks import (
+    KernelInputError,
+    check_attention_inputs,
+    check_kv_cache,
+    check_kv_inputs,
+    check_metadata,
+    check_rms_norm,
+    check_rotary,
+)
+from kernels.metadata import AttentionMetadata
+from kernels.triton_attention import launch_paged_attention
+from kernels.triton_rms_norm import launch_rms_norm
+from kernels.triton_rotary import launch_rotary_embedding
+from kernels.triton_store_kv import launch_store_kv
+
+__all__ = ["TritonBackend", "TritonStepPlan"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class TritonStepPlan:
+    """The step's checked metadata and KV cache, as the kernels read them."""
+
+    def __init__(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> None:
+        self.metadata = metadata
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def _check_device(tensor: torch.Tensor) -> None:
+    if tensor.device.type == "cuda" or (_INTERPRET and tensor.device.type == "cpu"):
+        return
+    raise KernelInputError(
+        f"the triton backend needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), "
+        f"got {tensor.device}"
+    )
+
+
+class TritonBackend:
+    name = "triton"
+
+    def plan(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        max_position: int,
+    ) -> TritonStepPlan:
+        """Checks the step's metadata (values too, on host tensors); raises KernelInputError."""
+        check_kv_cache(kv_cache)
+        _check_device(kv_cache)
+        check_metadata(positions, metadata, kv_cache.device)
+        capacity = metadata.block_tables.shape[1] * kv_cache.shape[3]
+        if metadata.max_context_len > capacity:
+            raise KernelInputError(
+                f"max_context_len {metadata.max_context_len} exceeds the block tables' "
+                f"capacity {capacity}"
+            )
+        if positions.device.type == "cpu" and positions.numel():
+            num_slots = kv_cache.shape[2] * kv_cache.shape[3]
+            slots = metadata.slot_mapping
+            if not -1 <= int(slots.min()) <= int(slots.max()) < num_slots:
+                raise KernelInputError(f"slot_mapping must hold -1 or slots in [0, {num_slots})")
+            if not 0 <= int(positions.min()) <= int(positions.max()) < max_position:
+                raise KernelInputError(f"positions must be in [0, {max_position})")
+            _check_rows(positions.shape[0], metadata)
+        return TritonStepPlan(metadata, kv_cache)
+
+    def rope(
+        self, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary kernel reads the table by position: (positions, cos_sin_cache)."""
+        return positions, cos_sin_cache
+
+    def rotary(
+        self,
+        heads: torch.Tensor,  # [num_tokens, num_heads, head_dim]: query and key heads
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Rotates ``heads`` in place (see ``TorchBackend.rotary``) and returns it."""
+        positions, cos_sin_cache = rope
+        check_rotary(heads, positions, cos_sin_cache)
+        _check_device(heads)
+        # the kernel rotates two head groups; one group and an empty one is the same thing
+        launch_rotary_embedding(positions, heads, heads[:, :0], cos_sin_cache)
+        return heads
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        plan: TritonStepPlan,
+    ) -> None:
+        """Writes each token's K/V into its cache slot; tokens whose slot is -1 are skipped."""
+        check_kv_inputs(key, value, key_cache, value_cache)
+        if key.shape[0] != plan.metadata.slot_mapping.shape[0]:
+            raise KernelInputError(f"key/value {tuple(key.shape)} do not match the step's plan")
+        launch_store_kv(key, value, key_cache, value_cache, plan.metadata.slot_mapping)
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        plan: TritonStepPlan,
+        scale: float,
+        out: torch.Tensor | None = None,
+        num_splits: int | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of the step's rows over the cache; ``num_splits`` None: chosen by
+        the flash-decoding heuristic (``kernels/triton_attention.py``)."""
+        check_attention_inputs(query, key_cache, value_cache, out)
+        metadata = plan.metadata
+        if query.shape[0] != metadata.slot_mapping.shape[0]:
+            raise KernelInputError(f"query {tuple(query.shape)} does not match the step's plan")
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        return launch_paged_attention(
+            query, key_cache, value_cache, metadata.query_start, metadata.context_lens,
+            metadata.block_tables, scale, metadata.max_query_len, metadata.max_context_len, out,
+            num_splits,
+        )  # fmt: skip
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        plan: TritonStepPlan,
+        layer: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Stores the layer's K/V, then attends over its cache."""
+        key_cache, value_cache = plan.kv_cache[layer]
+        self.store_kv(key, value, key_cache, value_cache, plan)
+        return self.paged_attention(query, key_cache, value_cache, plan, scale)
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(s) * weight, s)``, ``s = x + residual`` (see ``TorchBackend.rms_norm``)."""
+        check_rms_norm(x, weight, eps, residual)
+        _check_device(x)
+        result = launch_rms_norm(x, weight, eps, residual)
+        return (result, x) if residual is None else result  # type: ignore[return-value]
+
+
+def _check_rows(num_tokens: int, metadata: AttentionMetadata) -> None:
+    """The row lengths agree with each other and with the declared maxima (host tensors only)."""
+    query_start, context_lens = metadata.query_start, metadata.context_lens
+    query_lens = query_start[1:] - query_start[:-1]  # [num_rows]
+    if int(query_start[0]) != 0 or int(query_start[-1]) != num_tokens:
+        raise KernelInputError(f"query_start must run from 0 to num_tokens {num_tokens}")
+    if query_lens.numel() == 0:
+        return
+    max_query_len, max_context_len = metadata.max_query_len, metadata.max_context_len
+    if int(query_lens.min()) < 0 or int(query_lens.max()) > max_query_len:
+        raise KernelInputError(f"query lengths must be in [0, max_query_len {max_query_len}]")
+    if bool((context_lens < query_lens).any()) or int(context_lens.max()) > max_context_len:
+        raise KernelInputError(
+            f"context_lens must be in [query length, max_context_len {max_context_len}]"
+        )
