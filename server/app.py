@@ -28,7 +28,12 @@ from server.completions import create_completion
 from server.config import ServerConfig
 from server.errors import APIError, error_body, validation_error
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from server.middleware import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    ErrorMiddleware,
+    MetricsMiddleware,
+)
 from server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
 from server.serving import ClientDisconnected, ServerState, read_body
 
@@ -98,7 +103,10 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         finally:
             async_engine.stop()
 
-    app = FastAPI(title="splitfuse", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # no /openapi.json, /docs or /redoc: the schema is not served to unauthenticated clients
+    app = FastAPI(
+        title="splitfuse", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.server = state
     _add_error_handlers(app)
     _add_routes(app, state)
@@ -106,6 +114,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     app.add_middleware(
         AuthMiddleware, keys=state.api_keys, metrics_require_auth=config.metrics_require_auth
     )
+    app.add_middleware(ErrorMiddleware)  # inside the metrics: they count its 500s
     app.add_middleware(MetricsMiddleware, state=state)
     return app
 
@@ -131,11 +140,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def disconnected(_: Request, __: ClientDisconnected) -> Response:
         return Response(status_code=499)
 
-    @app.exception_handler(Exception)
-    async def internal(_: Request, error: Exception) -> Response:
-        logger.exception("unhandled error")
-        return JSONResponse(error_body(500, f"internal error: {error!r}"), status_code=500)
-
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
@@ -149,7 +153,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "object": "model",
             "created": state.created,
             "owned_by": "splitfuse",
-            "root": state.config.engine.model,
+            "root": state.model_name,  # not the model's path on this machine
             "max_model_len": state.max_model_len,
         }
         return JSONResponse({"object": "list", "data": [model]})
@@ -187,15 +191,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/livez")
     async def livez() -> Response:
-        if not state.engine.alive:
-            return JSONResponse({"status": "dead", "error": state.engine.error}, status_code=503)
+        if not state.engine.alive:  # the error itself is in the log, not for any caller
+            return JSONResponse({"status": "dead"}, status_code=503)
         return JSONResponse({"status": "alive"})
 
     async def readyz() -> Response:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not state.engine.alive:
-            return JSONResponse({"status": "dead", "error": state.engine.error}, status_code=503)
+            return JSONResponse({"status": "dead"}, status_code=503)
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ready"})

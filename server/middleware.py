@@ -1,10 +1,15 @@
 """Pure ASGI middleware (no buffering of responses, so SSE and disconnects pass straight through):
-request metrics and counting, API-key auth, and the body size limit."""
+request metrics and counting, unhandled errors, API-key auth, and the body size limit.
+
+    client -> MetricsMiddleware -> ErrorMiddleware -> AuthMiddleware -> BodyLimitMiddleware -> app
+"""
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -27,6 +32,10 @@ KNOWN_ROUTES = GENERATION_ROUTES | {
     "/metrics",
 }
 HEALTH_ROUTES = frozenset({"/livez", "/readyz", "/health"})
+# the metrics' method label: any other string a client sends is counted as "other"
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+logger = logging.getLogger("splitfuse.server")
 
 
 async def send_error(send: Send, error: APIError) -> None:
@@ -70,9 +79,44 @@ class MetricsMiddleware:
         finally:
             if generation:
                 self.state.num_active -= 1
+            method = scope["method"] if scope["method"] in KNOWN_METHODS else "other"
             self.state.metrics.http_requests.labels(
-                method=scope["method"], route=route, status_code=str(status["code"])
+                method=method, route=route, status_code=str(status["code"])
             ).inc()
+
+
+class ErrorMiddleware:
+    """An exception no handler turned into a response: logged with an error id, answered with a
+    500 that names only that id (never the exception's text), and swallowed, so the connection
+    stays open for the client's next request. Inside MetricsMiddleware, which counts the 500. A
+    response already under way (a stream) cannot be replaced: its connection is closed."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception:
+            error_id = uuid.uuid4().hex[:16]
+            logger.exception(
+                "unhandled error %s in %s %s", error_id, scope["method"], scope["path"]
+            )
+            if started:
+                raise
+            message = f"internal server error (error id {error_id})"
+            await send_error(send, APIError(500, message, code="internal_error"))
 
 
 class AuthMiddleware:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -158,10 +159,19 @@ async def read_body(request: Request, model: type[BodyT]) -> BodyT:
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except RecursionError:
+        raise APIError(400, "the body's JSON nests too deeply", code="invalid_json") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
         raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    if _LONE_SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise APIError(
+            400,
+            "the body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+            "which is not text",
+            code="invalid_json",
+        )
     try:
         body = model.model_validate(data)
     except ValidationError as error:
@@ -173,6 +183,28 @@ async def read_body(request: Request, model: type[BodyT]) -> BodyT:
         except UnsupportedFeature as error:
             raise APIError(400, str(error), param=error.param, code="unsupported") from None
     return body
+
+
+# JSON escapes \uD800 to \uDFFF: the only way a surrogate gets into a string json.loads returns
+_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a string anywhere in the parsed body (keys too) holds a surrogate code point
+    (paired escapes become one character when parsed: what is left is unpaired)."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def build_params(make: Callable[[], T]) -> T:
