@@ -235,7 +235,9 @@ def test_drain_finishes_in_flight_and_refuses_new(
     results: list = []
     body = {"prompt": "x", "max_tokens": 4, "stream": True}
     in_flight = _post_in_thread(server.url + "/v1/completions", body, results)
-    _wait_for(lambda: server.state.num_active == 1)
+    # admitted (counted in the queue), not only arrived: a request still reading its body when the
+    # drain starts is refused, and the drain would then end at once
+    _wait_for(lambda: server.state.num_queued == 1)
     server.drain()
     _wait_for(lambda: server.state.draining)
     assert httpx.get(server.url + "/readyz").status_code == 503
@@ -253,7 +255,7 @@ def test_drain_timeout_cuts_long_requests(start_server: Callable[..., ServerThre
     results: list = []
     body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     _post_in_thread(server.url + "/v1/completions", body, results)
-    _wait_for(lambda: server.state.num_active == 1)
+    _wait_for(lambda: server.state.engine.engine.has_unfinished_requests())
     server.drain()
     _wait_for(lambda: server.server.should_exit, timeout=5)
     _wait_for(lambda: not server.state.engine.engine.has_unfinished_requests(), timeout=10)

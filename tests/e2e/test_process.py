@@ -54,7 +54,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_llama_dir: Path) -> 
         lines: list[str] = []
 
         def stream() -> None:
-            body = {"prompt": "x", "max_tokens": 100, "ignore_eos": True, "stream": True}
+            body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
                 for line in response.iter_lines():
                     started.set()
