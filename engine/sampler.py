@@ -79,23 +79,30 @@ def validate_token_ids(data: NewRequestData, vocab_size: int) -> None:
 
 @dataclass
 class _RequestState:
+    """A request's sampling state. The sparse per-token parameters are device tensors built once
+    in ``add_request``, so that a step only concatenates them."""
+
     params: SamplingParams
     greedy: bool
-    # Masked to -inf while num_output_tokens < min_tokens: the EOS ids and stop_token_ids.
-    min_tokens_ids: tuple[int, ...]
+    # logit_bias: token ids [num_bias] int64 and the biases [num_bias] float32; None without one.
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    # Masked to -inf while num_output_tokens < min_tokens: the EOS ids and stop_token_ids,
+    # [num_ids] int64; None when min_tokens is 0 or there are no such ids.
+    min_tokens_ids: torch.Tensor | None
     generator: torch.Generator | None  # the request's own, when it has a seed
     penalty_slot: int | None  # its row in _PenaltyTables, when it has penalties
     num_output_tokens: int = 0
 
     @property
     def masks_stop_ids(self) -> bool:
-        return self.num_output_tokens < self.params.min_tokens and bool(self.min_tokens_ids)
+        return self.min_tokens_ids is not None and self.num_output_tokens < self.params.min_tokens
 
     @property
     def plain_greedy(self) -> bool:
         return (
             self.greedy
-            and not self.params.logit_bias
+            and self.bias_ids is None
             and self.penalty_slot is None
             and not self.masks_stop_ids
         )
@@ -188,10 +195,19 @@ class Sampler:
         if params.has_penalties:
             prompt_ids = data.prompt_token_ids if params.repetition_penalty != 1.0 else ()
             penalty_slot = self._penalties.allocate(prompt_ids)
+        bias_ids = bias_values = min_tokens_ids = None
+        if params.logit_bias:
+            bias_ids = self._ids(list(params.logit_bias))
+            bias_values = self._floats(list(params.logit_bias.values()))
+        stop_ids = tuple(dict.fromkeys(data.eos_token_ids + params.stop_token_ids))
+        if params.min_tokens > 0 and stop_ids:
+            min_tokens_ids = self._ids(stop_ids)
         self._requests[data.request_id] = _RequestState(
             params=params,
             greedy=params.temperature < MIN_TEMPERATURE,
-            min_tokens_ids=tuple(dict.fromkeys(data.eos_token_ids + params.stop_token_ids)),
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+            min_tokens_ids=min_tokens_ids,
             generator=generator,
             penalty_slot=penalty_slot,
         )
@@ -272,27 +288,25 @@ class Sampler:
 
     def _apply_bias_and_mask(self, logits: torch.Tensor, states: list[_RequestState]) -> None:
         """In place: add each row's logit_bias, then set the EOS and stop ids of rows still short
-        of min_tokens to -inf. Both are sparse: one index_put_ each."""
-        bias_rows: list[int] = []
-        bias_ids: list[int] = []
-        bias_values: list[float] = []
-        mask_rows: list[int] = []
-        mask_ids: list[int] = []
-        for row, state in enumerate(states):
-            bias = state.params.logit_bias
-            if bias:
-                bias_rows.extend([row] * len(bias))
-                bias_ids.extend(bias.keys())
-                bias_values.extend(bias.values())
-            if state.masks_stop_ids:
-                mask_rows.extend([row] * len(state.min_tokens_ids))
-                mask_ids.extend(state.min_tokens_ids)
+        of min_tokens to -inf. Both are sparse: one index_put_ each, of the rows' precomputed
+        ids concatenated."""
+        bias_rows = [row for row, state in enumerate(states) if state.bias_ids is not None]
         if bias_rows:
-            index = (self._ids(bias_rows), self._ids(bias_ids))
-            logits.index_put_(index, self._floats(bias_values), accumulate=True)
+            bias_ids = [states[row].bias_ids for row in bias_rows]
+            bias_values = [states[row].bias_values for row in bias_rows]
+            index = (self._repeat_rows(bias_rows, bias_ids), torch.cat(bias_ids))
+            logits.index_put_(index, torch.cat(bias_values), accumulate=True)
+        mask_rows = [row for row, state in enumerate(states) if state.masks_stop_ids]
         if mask_rows:
-            index = (self._ids(mask_rows), self._ids(mask_ids))
+            mask_ids = [states[row].min_tokens_ids for row in mask_rows]
+            index = (self._repeat_rows(mask_rows, mask_ids), torch.cat(mask_ids))
             logits.index_put_(index, torch.tensor(float("-inf"), device=self.device))
+
+    def _repeat_rows(self, rows: list[int], ids: list[torch.Tensor]) -> torch.Tensor:
+        """Each row index once per id of that row: rows [0, 2], ids of sizes [3, 1] ->
+        [0, 0, 0, 2]. The output size is given, so the device is not asked for it."""
+        sizes = [len(row_ids) for row_ids in ids]
+        return torch.repeat_interleave(self._ids(rows), self._ids(sizes), output_size=sum(sizes))
 
     def _sample_random(self, logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one draw per row.

@@ -43,6 +43,11 @@ class Request:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
+        # The tokens that end the request once min_tokens outputs precede them: stop_token_ids,
+        # and the EOS ids unless ignore_eos. A set, as it is checked on every sampled token.
+        self.stop_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids).union(
+            () if sampling_params.ignore_eos else self.eos_token_ids
+        )
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # Requests of one group (the n sequences of one API call) share a prompt: the scheduler
         # admits the siblings once the first has cached the prompt's full blocks.

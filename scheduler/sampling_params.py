@@ -6,6 +6,10 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Entries of logit_bias and of stop_token_ids one request may give: each is work on every step
+# the request runs (a bias added to its logits, a stop id checked and masked).
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 300
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,14 @@ class SamplingParams:
     def _validate(self) -> None:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        # Sizes first: the message gives the size, not the whole list.
+        for name, size, limit in (
+            ("stop_token_ids", len(self.stop_token_ids), MAX_STOP_TOKEN_IDS),
+            ("logit_bias", len(self.logit_bias), MAX_LOGIT_BIAS),
+        ):
+            if size > limit:
+                raise ValueError(f"{name} may hold at most {limit} token ids, got {size}")
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "must be an integer >= 1")

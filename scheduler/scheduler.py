@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from kv_cache import KVCacheManager
@@ -66,7 +66,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # waiting and running, by id
         self._arrival_order: dict[str, int] = {}  # request id -> order of add_request calls
         self._num_added = 0
-        self._waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
+        # FCFS, by id, so that an abort takes it out in O(1); preempted requests go to the front.
+        self._waiting: OrderedDict[str, Request] = OrderedDict()
         self._running: list[Request] = []  # in arrival order: the last one is preempted first
         # Finished or aborted since the previous batch; their ids stay taken until reported.
         self._finished_ids: list[str] = []
@@ -95,7 +96,7 @@ class Scheduler:
 
     def waiting_requests(self) -> list[Request]:
         """The waiting queue in admission order (a copy)."""
-        return list(self._waiting)
+        return list(self._waiting.values())
 
     def get_request(self, request_id: str) -> Request | None:
         """A waiting or running request; None when unknown or finished."""
@@ -125,7 +126,7 @@ class Scheduler:
         self._requests[request_id] = request
         self._arrival_order[request_id] = self._num_added
         self._num_added += 1
-        self._waiting.append(request)
+        self._waiting[request_id] = request
 
     def abort(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -138,7 +139,7 @@ class Scheduler:
         if request is None:
             return None
         if request.status is RequestStatus.WAITING:
-            self._waiting.remove(request)
+            del self._waiting[request_id]
         else:
             self._running.remove(request)
         self._finish(request, status)
@@ -188,19 +189,19 @@ class Scheduler:
                 break
             budget -= self._schedule_chunk(request, budget, rows)
 
-        # 3. Admissions, first come first served.
-        waiting = self._waiting
-        index = 0
-        while index < len(waiting) and budget > 0 and len(rows) < max_rows:
-            request = waiting[index]
+        # 3. Admissions, first come first served; nothing below changes the waiting queue, so the
+        # admitted requests leave it after the loop.
+        admitted_ids: list[str] = []
+        for request in self._waiting.values():
+            if budget == 0 or len(rows) >= max_rows:
+                break
             if request.group_id is not None and request.group_id in busy_groups:
-                index += 1
                 continue
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached_tokens
             if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
-            del waiting[index]
+            admitted_ids.append(request.request_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached_tokens
             bisect.insort(running, request, key=self._arrival_key)
@@ -218,6 +219,8 @@ class Scheduler:
             if request.group_id is not None:
                 busy_groups.add(request.group_id)
             budget -= self._schedule_chunk(request, budget, rows)
+        for request_id in admitted_ids:
+            del self._waiting[request_id]
 
         batch = ScheduledBatch(
             rows=tuple(rows),
@@ -281,7 +284,8 @@ class Scheduler:
         disagree with each other or with the pool."""
         kv = self.kv_manager
         kv.check_integrity()
-        waiting_ids = [r.request_id for r in self._waiting]
+        assert all(i == r.request_id for i, r in self._waiting.items())
+        waiting_ids = list(self._waiting)
         running_ids = [r.request_id for r in self._running]
         assert len(set(waiting_ids) | set(running_ids)) == len(waiting_ids) + len(running_ids)
         assert set(waiting_ids) | set(running_ids) == set(self._requests)
@@ -289,7 +293,7 @@ class Scheduler:
         orders = [self._arrival_order[i] for i in running_ids]
         assert orders == sorted(orders), "running requests out of arrival order"
         held_block_ids: set[int] = set()
-        for request in self._waiting:
+        for request in self._waiting.values():
             assert request.status is RequestStatus.WAITING, request
             assert request.num_computed_tokens == 0, request
             assert not kv.block_ids(request.request_id), f"{request} holds blocks"
@@ -345,7 +349,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._waiting.appendleft(request)
+        self._waiting[request.request_id] = request
+        self._waiting.move_to_end(request.request_id, last=False)
 
     def _check_finished(self, request: Request, token_id: int) -> RequestStatus | None:
         """The finish status after ``token_id`` was appended, or None. A stop token counts only
@@ -353,10 +358,7 @@ class Scheduler:
         params = request.sampling_params
         num_tokens = len(request.token_ids)
         num_output_tokens = num_tokens - request.num_prompt_tokens
-        if num_output_tokens > params.min_tokens and (
-            token_id in params.stop_token_ids
-            or (not params.ignore_eos and token_id in request.eos_token_ids)
-        ):
+        if token_id in request.stop_ids and num_output_tokens > params.min_tokens:
             request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         if num_output_tokens >= params.max_tokens or num_tokens >= self._max_num_tokens:

@@ -52,6 +52,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await read_body(request, ChatCompletionRequest)
     token_text = state.check_accepting()
     state.check_model(body.model)
+    state.check_num_sequences(1, body.n)
     try:
         prompt_ids = token_text.apply_chat_template(
             body.template_messages(),

@@ -82,6 +82,7 @@ async def create_completion(request: Request) -> Response:
     body = await read_body(request, CompletionRequest)
     token_text = state.check_accepting()
     state.check_model(body.model)
+    state.check_num_sequences(body.num_prompts, body.n)  # before tokenizing the prompts
     prompts, prompt_texts = _prompts(body, token_text)
     max_tokens = body.max_tokens or 16
     for ids in prompts:

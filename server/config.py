@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from engine.config import EngineConfig, parse_memory
+from server.protocol import MAX_PROMPTS
 
 ENV_PREFIX = "SPLITFUSE_"
 # Environment variables with the prefix that are not configuration fields.
@@ -53,7 +54,17 @@ class ServerConfig(BaseModel):
         None, description="the name clients send as `model` (default: the model's name)"
     )
     max_queued_requests: int = Field(
-        256, ge=1, description="requests waiting for their first token before 429"
+        256,
+        ge=1,
+        description="sequences (each API call's prompts x n) waiting for their first token; a "
+        "call that would take the count past this gets 429",
+    )
+    max_sequences_per_request: int = Field(
+        128,
+        ge=1,
+        le=MAX_PROMPTS,
+        description="sequences (prompts x n) one API call may ask for; more get 400 naming the "
+        "param. A call is also refused (400) above max_queued_requests, which it could never fit",
     )
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="413 above this ('1MiB')")
     api_key: tuple[str, ...] = Field(

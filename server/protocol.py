@@ -113,6 +113,12 @@ class _SamplingFields(_Body):
         )
 
 
+# The most prompts one completions body may list, whatever the server's limit on prompts x n
+# (max_sequences_per_request, at most this): a longer list is refused before its items are
+# validated, which for 500,000 token-id lists takes pydantic a second.
+MAX_PROMPTS = 4096
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
@@ -120,6 +126,14 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _count_prompts(cls, value: Any) -> Any:
+        # A list of token ids is one prompt, however long; a list of lists or strings is many.
+        if isinstance(value, list) and len(value) > MAX_PROMPTS and not isinstance(value[0], int):
+            raise ValueError(f"at most {MAX_PROMPTS} prompts, got {len(value)}")
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -135,6 +149,11 @@ class CompletionRequest(_SamplingFields):
                 if isinstance(item, int) and item < 0:
                     raise ValueError("token ids must be non-negative")
         return value
+
+    @property
+    def num_prompts(self) -> int:
+        prompt = self.prompt
+        return 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
 
     def check_supported(self) -> None:
         if self.suffix:

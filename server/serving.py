@@ -52,7 +52,8 @@ class ServerState:
         self.metrics = metrics
         self.api_keys = config.all_api_keys()
         self.draining = False
-        self.num_queued = 0  # API calls waiting for their first delta
+        # Sequences (prompts x n of each API call) waiting for their call's first delta.
+        self.num_queued = 0
         self.num_active = 0  # generation HTTP requests not yet answered in full
         self.token_text: TokenText | None = None
         self.model_name = config.served_model_name or ""
@@ -109,12 +110,25 @@ class ServerState:
                 code="context_length_exceeded",
             )
 
-    def check_queue(self) -> None:
-        if self.num_queued >= self.config.max_queued_requests:
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        """400 when one call asks for more sequences (prompts x n) than it may: more than
+        max_sequences_per_request, or than max_queued_requests, which it could never fit."""
+        limit = min(self.config.max_sequences_per_request, self.config.max_queued_requests)
+        if num_prompts * n > limit:
+            raise APIError(
+                400,
+                f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+                f"completions; this server allows at most {limit} per request",
+                param="prompt" if num_prompts > limit else "n",
+                code="invalid_value",
+            )
+
+    def check_queue(self, num_sequences: int) -> None:
+        if self.num_queued + num_sequences > self.config.max_queued_requests:
             raise APIError(
                 429,
-                f"the server has {self.num_queued} requests waiting (the limit is "
-                f"{self.config.max_queued_requests}); retry later",
+                f"the server has {self.num_queued} sequences waiting and this request adds "
+                f"{num_sequences} (the limit is {self.config.max_queued_requests}); retry later",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
@@ -132,12 +146,13 @@ class ServerState:
         """Submits the generation and waits for its first deltas. Raises APIError (429, 400,
         500) or ClientDisconnected (after aborting)."""
         token_text = self.check_accepting()
-        self.check_queue()
+        num_sequences = len(prompts) * n  # the routes checked it with check_num_sequences
+        self.check_queue(num_sequences)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         generation = Generation(
             self.engine, token_text.tokenizer, request_id, prompts, n, params, self.metrics
         )
-        self.num_queued += 1
+        self.num_queued += num_sequences
         try:
             first = await until_disconnected(request, generation.next_deltas())
         except GenerationError as error:
@@ -150,7 +165,7 @@ class ServerState:
             generation.close()
             raise
         finally:
-            self.num_queued -= 1
+            self.num_queued -= num_sequences
         return generation, first
 
 

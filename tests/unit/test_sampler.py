@@ -421,6 +421,38 @@ def test_min_tokens_masks_sampled_rows_too() -> None:
     assert_matches(draw_many(params, LOGITS), expected)
 
 
+def test_precomputed_bias_and_mask_tensors_give_the_per_element_logits() -> None:
+    """The bias and min_tokens tensors built once per request give, step after step, exactly
+    the logits of adding each bias and masking each id one element at a time."""
+    vocab_size = 1000
+    rng = torch.Generator().manual_seed(7)
+    sampler = Sampler(vocab_size, CPU, seed=0)
+    configs: dict[str, dict[str, Any]] = {
+        "plain": {},
+        "bias": {"logit_bias": {3: 1.5, 999: -100.0, 40: 0.25}},
+        "max_bias": {"logit_bias": {t: (t % 201) - 100.0 for t in range(0, 900, 3)}},
+        "mask": {"min_tokens": 2, "stop_token_ids": (5, 6, 7)},
+        "both": {"min_tokens": 1, "stop_token_ids": (EOS_ID, 9), "logit_bias": {9: 3.0, 1: -2.0}},
+    }
+    for request_id, params in configs.items():
+        add(sampler, request_id, temperature=0.0, max_tokens=8, **params)
+    request_ids = list(configs)
+    states = sampler._lookup(torch.zeros(len(request_ids), vocab_size), request_ids)
+    for num_outputs in range(3):
+        logits = torch.randn(len(request_ids), vocab_size, generator=rng)
+        expected = logits.clone()
+        for row, params in enumerate(configs.values()):
+            for token_id, bias in params.get("logit_bias", {}).items():
+                expected[row, token_id] += torch.tensor(bias, dtype=torch.float32)
+            if num_outputs < params.get("min_tokens", 0):
+                for token_id in (EOS_ID, *params["stop_token_ids"]):
+                    expected[row, token_id] = float("-inf")
+        processed = logits.clone()
+        sampler._apply_bias_and_mask(processed, states)
+        assert torch.equal(processed, expected), num_outputs
+        sampler.sample(logits, request_ids)
+
+
 # --- logprobs -------------------------------------------------------------------------------------
 
 

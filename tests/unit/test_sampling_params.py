@@ -6,6 +6,7 @@ import math
 import pytest
 
 from scheduler import SamplingParams
+from scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 
 def test_defaults_are_valid_and_random_sampling():
@@ -81,3 +82,15 @@ def test_edge_values_are_accepted():
 def test_invalid_values_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} "):
         SamplingParams(**{field: value})
+
+
+def test_stop_token_ids_and_logit_bias_are_capped_with_the_size_in_the_message():
+    at_most = tuple(range(MAX_STOP_TOKEN_IDS))
+    SamplingParams(stop_token_ids=at_most, logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS), 1.0))
+    over = MAX_STOP_TOKEN_IDS + 1
+    with pytest.raises(
+        ValueError, match=f"^stop_token_ids .* {MAX_STOP_TOKEN_IDS} .*, got {over}$"
+    ):
+        SamplingParams(stop_token_ids=tuple(range(over)))
+    with pytest.raises(ValueError, match=f"^logit_bias .* {MAX_LOGIT_BIAS} .*, got 5000$"):
+        SamplingParams(logit_bias=dict.fromkeys(range(5000), 1.0))

@@ -1,6 +1,8 @@
 """Scheduler worked examples: chunking, packing, preemption, prefix hits, groups, aborts and the
 finish rules. No model: tokens are chosen by the test."""
 
+import time
+
 import pytest
 
 from kv_cache import KVCacheManager
@@ -329,3 +331,39 @@ def test_constructor_rejects_bad_limits():
         Scheduler(0, 8, 64, KVCacheManager(4, 4))
     with pytest.raises(ValueError, match="max_model_len"):
         Scheduler(8, 8, 1, KVCacheManager(4, 4))
+
+
+def test_aborting_many_waiting_requests_is_constant_time_each_and_keeps_the_order():
+    scheduler = make_scheduler(budget=8, max_seqs=4)
+    params = SamplingParams(max_tokens=4)
+    num_requests = 20_000
+    for i in range(num_requests):
+        scheduler.add_request(Request(f"r{i}", [100 + i % 50, 7, 8], params))
+    # Newest first, every other one: the worst order for a search from the front (a deque took
+    # over a second here; by id it takes milliseconds).
+    start = time.perf_counter()
+    for i in range(num_requests - 1, -1, -2):
+        assert scheduler.abort(f"r{i}") is not None
+    assert time.perf_counter() - start < 0.5
+    kept = [f"r{i}" for i in range(0, num_requests, 2)]
+    assert scheduler.num_waiting == len(kept)
+    assert [r.request_id for r in scheduler.waiting_requests()] == kept
+    scheduler.check_integrity()
+    batch, _ = step(scheduler)
+    # 3-token prompts, budget 8: two whole prompts and a chunk of the third, oldest first.
+    assert shape(batch) == [("r0", 0, 3, True), ("r2", 0, 3, True), ("r4", 0, 2, False)]
+    assert len(batch.finished_request_ids) == num_requests // 2
+    assert [r.request_id for r in scheduler.waiting_requests()] == kept[3:]
+
+
+def test_a_preempted_request_goes_back_in_front_of_the_waiting_ones():
+    scheduler = make_scheduler(budget=64, num_blocks=4, block_size=4, prefix_caching=False)
+    add(scheduler, "old", 7)  # 2 blocks
+    add(scheduler, "new", 8)  # 2 blocks: the pool is full
+    step(scheduler)
+    add(scheduler, "later", 3)
+    add(scheduler, "last", 3)
+    scheduler.abort("later")
+    batch, _ = step(scheduler)  # new preempts itself for old's decode
+    assert batch.num_preempted == 1
+    assert [r.request_id for r in scheduler.waiting_requests()] == ["new", "last"]

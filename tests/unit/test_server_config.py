@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from server.config import ConfigError, ServerConfig, load_config
+from server.protocol import MAX_PROMPTS
 from server.serve_command import flags_from_args
 
 
@@ -152,3 +153,17 @@ def test_config_is_frozen() -> None:
     config = ServerConfig()
     with pytest.raises(ValueError):
         config.port = 1  # type: ignore[misc]
+
+
+def test_max_sequences_per_request_from_each_source(tmp_path: Path) -> None:
+    assert load_config(environ={}).max_sequences_per_request == 128
+    environ = {"SPLITFUSE_MAX_SEQUENCES_PER_REQUEST": "16"}
+    assert load_config(environ=environ).max_sequences_per_request == 16
+    path = tmp_path / "serve.yaml"
+    path.write_text("max_sequences_per_request: 512\n")
+    assert load_config(config_file=path, environ={}).max_sequences_per_request == 512
+    description = ServerConfig.model_fields["max_sequences_per_request"].description
+    assert description is not None and "prompts x n" in description
+    for bad in (0, MAX_PROMPTS + 1):
+        with pytest.raises(ConfigError, match="max_sequences_per_request"):
+            load_config(flags={"max_sequences_per_request": bad}, environ={})
