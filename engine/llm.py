@@ -1,8 +1,9 @@
 """Offline generation: ``LLM(model=...).generate(prompts, sampling_params)``.
 
 Runs every prompt through one ``LLMEngine`` with continuous batching and returns one result per
-prompt, in order. Stop strings are applied here (the server applies its own): a request whose text
-reaches one is aborted and its text cut before the stop string.
+prompt, in order. Text is detokenized incrementally and stop strings are matched as the server
+does it (``engine.detokenizer``): a request whose text reaches one is aborted and its text cut
+before the stop string.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.detokenizer import SequenceText, StopStrings
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, TokenLogprob
 from scheduler.sampling_params import SamplingParams
@@ -90,6 +92,7 @@ class LLM:
         results: list[GenerationResult] = []
         # request id -> (result index, completion index)
         owners: dict[str, tuple[int, int]] = {}
+        texts: dict[str, SequenceText] = {}
         try:
             for index, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
                 text = prompt if isinstance(prompt, str) else None
@@ -100,15 +103,17 @@ class LLM:
                 )
                 results.append(GenerationResult(text, token_ids, []))
                 group_id = f"llm-{self._next_id}" if params.n > 1 else None
+                stops = StopStrings(params.stop)
                 for sequence in range(params.n):
                     request_id = f"llm-{self._next_id}-{sequence}"
                     self.engine.add_request(request_id, token_ids, params, group_id=group_id)
                     owners[request_id] = (index, sequence)
+                    texts[request_id] = SequenceText(self.tokenizer, token_ids, stops)
                     results[index].outputs.append(
                         CompletionOutput(logprobs=[] if params.logprobs is not None else None)
                     )
                 self._next_id += 1
-            self._run(results, owners, params_list)
+            self._run(results, owners, texts)
         finally:
             for request_id in owners:
                 self.engine.abort_request(request_id)
@@ -118,16 +123,16 @@ class LLM:
         self,
         results: list[GenerationResult],
         owners: dict[str, tuple[int, int]],
-        params_list: list[SamplingParams],
+        texts: dict[str, SequenceText],
     ) -> None:
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 index, sequence = owners[delta.request_id]
                 completion = results[index].outputs[sequence]
-                self._apply(delta, completion, params_list[index])
+                self._apply(delta, completion, texts[delta.request_id])
 
     def _apply(
-        self, delta: RequestOutput, completion: CompletionOutput, params: SamplingParams
+        self, delta: RequestOutput, completion: CompletionOutput, text: SequenceText
     ) -> None:
         if completion.finish_reason is not None:
             return  # already stopped by a stop string
@@ -135,22 +140,14 @@ class LLM:
         if completion.logprobs is not None and delta.new_logprobs:
             completion.logprobs.extend(delta.new_logprobs)
         completion.error = delta.error
-        if params.stop:
-            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            if (cut := _find_stop(text, params.stop)) is not None:
-                completion.text = text[:cut]
-                completion.finish_reason = "stop"
-                self.engine.abort_request(delta.request_id)
-                return
-        if delta.finish_reason is not None:
-            completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        text.add(list(delta.new_token_ids), finished=delta.finished)
         completion.finish_reason = delta.finish_reason
-
-
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index of the earliest stop string in ``text``, or None."""
-    positions = [position for stop in stops if (position := text.find(stop)) >= 0]
-    return min(positions) if positions else None
+        if text.stopped:
+            completion.finish_reason = "stop"
+            if not delta.finished:
+                self.engine.abort_request(delta.request_id)
+        if completion.finish_reason is not None:
+            completion.text = text.text
 
 
 def _as_prompt_list(prompts: Any) -> list[str | list[int]]:

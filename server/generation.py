@@ -13,10 +13,10 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+from engine.detokenizer import SequenceText, StopStrings
 from engine.outputs import RequestOutput, TokenLogprob
 from scheduler.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine, RejectedOutput
-from server.detokenizer import SequenceText
 from server.metrics import ServerMetrics
 
 logger = logging.getLogger("splitfuse.requests")
@@ -83,6 +83,7 @@ class Generation:
         self.error: GenerationError | None = None
         # Usage counts each prompt once, however many samples it has (OpenAI's rule).
         self.num_prompt_tokens = sum(len(prompt) for prompt in prompts)
+        stops = StopStrings(params.stop)
         for prompt_index, prompt_token_ids in enumerate(prompts):
             group_id = f"{request_id}-p{prompt_index}" if n > 1 else None
             for sample_index in range(n):
@@ -95,7 +96,7 @@ class Generation:
                     index=index,
                     request_id=choice_id,
                     num_prompt_tokens=len(prompt_token_ids),
-                    text=SequenceText(tokenizer, prompt_token_ids, params.stop),
+                    text=SequenceText(tokenizer, prompt_token_ids, stops),
                 )
                 try:
                     engine.add(

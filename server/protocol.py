@@ -31,6 +31,10 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+# Text that may begin a stop string is held back from the stream: at most this many - 1 characters.
+MAX_STOP_STRING_CHARS = 256
+
+
 class _SamplingFields(_Body):
     """Fields shared by both endpoints."""
 
@@ -61,14 +65,19 @@ class _SamplingFields(_Body):
             raise ValueError("at most 16 stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         return value
 
     @field_validator("logit_bias")
     @classmethod
     def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # Canonical ASCII decimals of at most 18 digits ('01', ' 1', '²' refused): no two keys
+        # name one token id.
         for key in value or {}:
-            if not key.strip().isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            canonical = key == "0" or (key[:1] != "0" and key.isascii() and key.isdigit())
+            if not canonical or len(key) > 18:
+                raise ValueError(f"keys must be token ids such as '42', got {key[:24]!r}")
         return value
 
     @model_validator(mode="after")

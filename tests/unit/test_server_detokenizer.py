@@ -6,7 +6,12 @@ import random
 
 import pytest
 
-from server.detokenizer import IncrementalDetokenizer, SequenceText, StopStringMatcher
+from engine.detokenizer import (
+    IncrementalDetokenizer,
+    SequenceText,
+    StopStringMatcher,
+    StopStrings,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +68,7 @@ def test_special_tokens_are_skipped(tokenizer) -> None:  # noqa: ANN001
 
 
 def test_stop_string_across_pieces_is_never_emitted() -> None:
-    matcher = StopStringMatcher(["STOP"])
+    matcher = StopStringMatcher(StopStrings(["STOP"]))
     out = [matcher.add(piece) for piece in ["abc S", "T", "O", "Pxyz"]]
     assert "".join(out) == "abc "
     assert matcher.stopped and matcher.matched == "STOP"
@@ -71,11 +76,11 @@ def test_stop_string_across_pieces_is_never_emitted() -> None:
 
 
 def test_stop_earliest_match_wins_and_partial_prefix_is_released() -> None:
-    matcher = StopStringMatcher(["world", "lo w"])
+    matcher = StopStringMatcher(StopStrings(["world", "lo w"]))
     assert matcher.add("hel") == "he"  # 'l' may begin 'lo w'
     assert matcher.add("lo world") == "l"
     assert matcher.matched == "lo w"
-    released = StopStringMatcher(["xyz"])
+    released = StopStringMatcher(StopStrings(["xyz"]))
     assert released.add("abcx") == "abc"
     assert released.add("xy") == "x"
     assert released.add("a") == "xya"
@@ -85,7 +90,7 @@ def test_stop_earliest_match_wins_and_partial_prefix_is_released() -> None:
 
 def test_sequence_text_with_stop_across_tokens(tokenizer) -> None:  # noqa: ANN001
     ids = tokenizer.encode("The capital of France is Paris.", add_special_tokens=False)
-    sequence = SequenceText(tokenizer, [1], ("ance is",))
+    sequence = SequenceText(tokenizer, [1], StopStrings(("ance is",)))
     pieces = []
     for token_id in ids:
         pieces.append(sequence.add([token_id], finished=False))
@@ -98,9 +103,59 @@ def test_sequence_text_with_stop_across_tokens(tokenizer) -> None:  # noqa: ANN0
 
 def test_sequence_text_flushes_at_the_end(tokenizer) -> None:  # noqa: ANN001
     ids = tokenizer.encode("abc 日", add_special_tokens=False)
-    sequence = SequenceText(tokenizer, [1], ("zzzz",))
+    sequence = SequenceText(tokenizer, [1], StopStrings(("zzzz",)))
     for token_id in ids[:-1]:
         sequence.add([token_id], finished=False)
     sequence.add([ids[-1]], finished=True)
     assert sequence.text == "abc 日"
     assert not sequence.stopped
+
+
+class _CountingTokenizer:
+    """The tokenizer, recording how many tokens each ``decode`` call gets."""
+
+    def __init__(self, tokenizer) -> None:  # noqa: ANN001
+        self._tokenizer = tokenizer
+        self.window_sizes: list[int] = []
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.window_sizes.append(len(token_ids))
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_bytes_that_never_form_a_character_keep_the_window_bounded(tokenizer) -> None:  # noqa: ANN001
+    # '©' alone: a UTF-8 continuation byte, U+FFFD however many follow.
+    (continuation_id,) = tokenizer.encode("é", add_special_tokens=False)[1:]
+    ids = [continuation_id] * 3000
+    counting = _CountingTokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(counting, [5, 6])
+    pieces = [detokenizer.add([token_id]) for token_id in ids]
+    assert max(counting.window_sizes) <= 32
+    assert sum(counting.window_sizes) <= 40 * len(ids)
+    assert "".join(pieces) + detokenizer.flush() == tokenizer.decode(ids) == "\ufffd" * 3000
+    assert sum(map(len, pieces)) > 2900  # emitted as it goes, not held to the end
+
+
+def test_skipped_special_tokens_keep_the_window_bounded(tokenizer) -> None:  # noqa: ANN001
+    ids = [tokenizer.eos_token_id] * 2000 + tokenizer.encode("Paris", add_special_tokens=False)
+    counting = _CountingTokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(counting, [1])
+    pieces = [detokenizer.add([token_id]) for token_id in ids]
+    assert max(counting.window_sizes) <= 32
+    assert "".join(pieces) + detokenizer.flush() == "Paris"
+
+
+def test_a_long_run_of_split_characters_stays_exact_and_bounded(tokenizer) -> None:  # noqa: ANN001
+    text = "日本語 🎉 héllo " * 100
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    continuation_id = tokenizer.encode("é", add_special_tokens=False)[1]
+    counting = _CountingTokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(counting, [5])
+    pieces = [detokenizer.add([token_id]) for token_id in ids]
+    assert "".join(pieces) + detokenizer.flush() == text
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert max(counting.window_sizes) <= 32
+    # Invalid bytes first, then text: the bytes come out as U+FFFD, the text unchanged.
+    ids = [continuation_id] * 50 + ids
+    pieces = _feed(IncrementalDetokenizer(tokenizer, [5]), ids, random.Random(2))
+    assert "".join(pieces) == tokenizer.decode(ids) == "\ufffd" * 50 + text
