@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from engine.model_resolver import resolve_model
 from engine.outputs import RequestOutput
 from engine.tensor_parallel.sharding import check_tensor_parallel
 from kv_cache import KVCacheManager
-from scheduler.batch import ScheduledBatch
+from scheduler.batch import BatchRow, ScheduledBatch
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -170,46 +171,102 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One schedule / execute / update. Returns a delta per request that got a token or
-        ended; [] when idle. A forward pass that raises fails its batch's requests alone."""
+        ended; [] when idle. A forward pass that raises is re-run in halves of its rows until the
+        failure is pinned to the requests that cause it: those fail (with a generic message and an
+        error id; the exception is logged), their neighbours go on."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             self.executor.drop_requests(list(batch.finished_request_ids))
             return []
+        failed: list[RequestOutput] = []
         try:
             sampled = self.executor.execute(batch)
+            token_ids, logprobs = sampled.token_ids, sampled.logprobs
         except ExecutorFailedError:
             raise  # e.g. a tensor-parallel rank is gone: no later step can run
-        except Exception as error:  # noqa: BLE001 - the step must survive and report it
-            logger.exception("a step of %d tokens failed", batch.num_tokens)
-            return self._fail_batch(batch, error)
-        requests = self.scheduler.update(batch, sampled.token_ids)
-        outputs = []
+        except Exception:  # noqa: BLE001 - the step must survive and report it
+            token_ids, logprobs, failed = self._isolate_failures(batch)
+        requests = self.scheduler.update(batch, token_ids)
+        outputs = failed
         # update() skips requests aborted since schedule(), so pair tokens by request id.
-        by_id = dict(zip(batch.sample_request_ids, range(len(sampled.token_ids)), strict=True))
+        by_id = dict(zip(batch.sample_request_ids, range(len(token_ids)), strict=True))
         for request in requests:
             index = by_id[request.request_id]
-            logprob = sampled.logprobs[index]
+            logprob = logprobs[index]
             outputs.append(
-                _output(
-                    request,
-                    [sampled.token_ids[index]],
-                    None if logprob is None else [logprob],
-                )
+                _output(request, [token_ids[index]], None if logprob is None else [logprob])
             )
         self._last_step_num_tokens = batch.num_tokens
         self._last_step_seconds = time.perf_counter() - start
         return outputs
 
-    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
-        message = f"engine step failed: {type(error).__name__}: {error}"
-        outputs = []
-        for row in batch.rows:
-            request = self.scheduler.abort(row.request_id, RequestStatus.FINISHED_ERROR)
+    def _isolate_failures(
+        self, batch: ScheduledBatch
+    ) -> tuple[list[int], list, list[RequestOutput]]:
+        """After ``batch`` failed: re-runs its rows in halves, splitting every part that fails
+        again, until each failure is one row. Returns a token and logprob per sampling row (-1 and
+        None for failed rows) and the failed requests' final outputs; they are aborted, so
+        ``update`` skips them. A failure that is no request's (every row fails alone) fails all."""
+        error_id = uuid.uuid4().hex[:12]
+        logger.exception(
+            "a step of %d tokens (%d requests) failed (error id %s); re-running its rows in "
+            "parts to find the requests that cause it",
+            batch.num_tokens,
+            batch.num_rows,
+            error_id,
+        )
+        new_requests = {data.request_id: data for data in batch.new_requests}
+        # the failed pass may have set up some new requests' sampling state: start them afresh
+        self.executor.drop_requests(list(new_requests))
+        sampled: dict[str, tuple[int, object]] = {}
+        culprits: list[str] = []
+        # one row: the failed pass was already its own
+        parts = _halves(batch.rows) if batch.num_rows > 1 else []
+        if not parts:
+            culprits.append(batch.rows[0].request_id)
+        while parts:
+            rows = parts.pop()
+            part = ScheduledBatch(
+                rows=rows,
+                new_requests=tuple(
+                    new_requests[row.request_id] for row in rows if row.request_id in new_requests
+                ),
+            )
+            try:
+                result = self.executor.execute(part)
+            except ExecutorFailedError:
+                raise
+            except Exception as error:  # noqa: BLE001 - pinning the failure down
+                self.executor.drop_requests([data.request_id for data in part.new_requests])
+                if len(rows) > 1:
+                    parts.extend(_halves(rows))
+                    continue
+                culprits.append(rows[0].request_id)
+                logger.error(
+                    "error id %s: request %s fails alone: %s: %s",
+                    error_id,
+                    rows[0].request_id,
+                    type(error).__name__,
+                    error,
+                )
+                continue
+            for request_id, token_id, logprob in zip(
+                part.sample_request_ids, result.token_ids, result.logprobs, strict=True
+            ):
+                sampled[request_id] = (token_id, logprob)
+        message = f"the engine failed on this request (error id {error_id})"
+        failed = []
+        for request_id in culprits:
+            request = self.scheduler.abort(request_id, RequestStatus.FINISHED_ERROR)
             if request is not None:
-                outputs.append(_output(request, [], None, error=message))
-        self.executor.drop_requests([row.request_id for row in batch.rows])
-        return outputs
+                failed.append(_output(request, [], None, error=message))
+        self.executor.drop_requests(culprits)
+        if culprits:
+            logger.error("error id %s: failed requests %s", error_id, ", ".join(culprits))
+        token_ids = [sampled.get(i, (-1, None))[0] for i in batch.sample_request_ids]
+        logprobs = [sampled.get(i, (-1, None))[1] for i in batch.sample_request_ids]
+        return token_ids, logprobs, failed
 
     def add_fatal_listener(self, listener: Callable[[str], None]) -> None:
         """``listener(message)`` is called (from another thread) if the engine can no longer run,
@@ -231,6 +288,11 @@ class LLMEngine:
             last_step_num_tokens=self._last_step_num_tokens,
             last_step_seconds=self._last_step_seconds,
         )
+
+
+def _halves(rows: tuple[BatchRow, ...]) -> list[tuple[BatchRow, ...]]:
+    middle = len(rows) // 2
+    return [rows[:middle], rows[middle:]]
 
 
 def _output(

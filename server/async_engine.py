@@ -8,8 +8,11 @@ One engine thread is the engine's only caller. The event loop never waits for it
                   notify               step()
     per-request asyncio.Queue  <------ loop.call_soon_threadsafe(dispatch, outputs)
 
-The thread sleeps on a condition while the engine is idle. If the engine raises, every pending
-request ends with an error output, ``alive`` turns false and ``on_fatal`` is called on the loop.
+The thread sleeps on a condition while the engine is idle. A request the engine cannot add
+ends alone: with a 400 for a ValueError (bad input), a 500 for anything else. If a step raises
+(the scheduler's state can no longer be trusted), or the server cannot start on the loaded
+engine, every pending request ends with an error output, ``alive`` turns false and ``on_fatal``
+is called on the loop. Clients see an error id, never the exception; the log has both.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +87,8 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.engine: Any = None
         self.ready = False
-        self.error: str | None = None
+        self.error: str | None = None  # why the engine stopped (the log's words)
+        self.public_error: str | None = None  # what clients are told: an error id
 
     @property
     def alive(self) -> bool:
@@ -110,15 +115,17 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within %.0f s", timeout)
         if self.error is None:
-            self.error = "the server is shutting down"
-        self._fail_all(self.error)
+            self.error = self.public_error = "the server is shutting down"
+        self._fail_all(self.public_error or self.error)
 
     # ---- event-loop side -------------------------------------------------------------------
 
     def check_available(self) -> None:
-        if self.error is not None:
-            raise EngineDeadError(self.error)
+        if self.public_error is not None:
+            raise EngineDeadError(self.public_error)
         if not self.ready:
             raise EngineNotReadyError("the model is loading")
 
@@ -236,11 +243,33 @@ class AsyncEngine:
             add_fatal_listener(lambda message: self._die(message, "reported by the engine"))
         self.ready = True
         if self._on_ready is not None:
-            self._post(self._on_ready, self.engine)
+            self._post(self._start_serving, self.engine)
         try:
             self._loop_steps()
         except BaseException as error:  # noqa: BLE001 - report, fail requests, exit non-zero
             self._die(f"the engine failed: {error!r}", traceback.format_exc())
+        finally:
+            self._shutdown_engine()
+
+    def _start_serving(self, engine: Any) -> None:
+        """``on_ready``, on the loop; if it raises, the server could never turn ready: it stops."""
+        assert self._on_ready is not None
+        try:
+            self._on_ready(engine)
+        except Exception as error:  # noqa: BLE001 - report, fail requests, exit non-zero
+            self._die(
+                f"the server cannot serve the loaded engine: {error!r}", traceback.format_exc()
+            )
+
+    def _shutdown_engine(self) -> None:
+        """The engine's own shutdown (tensor-parallel workers, ...), once its thread is done."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is None:
+            return
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - stopping anyway
+            logger.exception("the engine's shutdown failed")
 
     def _loop_steps(self) -> None:
         engine = self.engine
@@ -285,11 +314,26 @@ class AsyncEngine:
                 outputs.append(
                     RejectedOutput(command.request_id, finish_reason="error", error=str(error))
                 )
+            except Exception:  # noqa: BLE001 - this request's fault or ours: it fails alone
+                error_id = uuid.uuid4().hex[:12]
+                logger.exception(
+                    "adding request %s failed (error id %s)", command.request_id, error_id
+                )
+                with contextlib.suppress(Exception):  # whatever part of it got in
+                    self.engine.abort_request(command.request_id)
+                message = f"the engine could not take this request (error id {error_id})"
+                outputs.append(
+                    RequestOutput(command.request_id, finish_reason="error", error=message)
+                )
         return outputs
 
     def _die(self, message: str, details: str) -> None:
-        logger.error("%s\n%s", message, details)
+        if self.error is not None:
+            return  # already stopped
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("%s (error id %s)\n%s", message, error_id, details)
         self.error = message
-        self._fail_all(message)
+        self.public_error = f"the engine stopped (error id {error_id})"
+        self._fail_all(self.public_error)
         if self._on_fatal is not None:
             self._post(self._on_fatal, message)

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
 
 from scheduler.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine
@@ -79,7 +80,7 @@ class ServerState:
     def check_accepting(self) -> TokenText:
         if not self.engine.alive:
             raise APIError(
-                500, f"the engine is not running: {self.engine.error}", code="engine_dead"
+                500, f"the engine is not running: {self.engine.public_error}", code="engine_dead"
             )
         if self.draining:
             raise APIError(503, "the server is shutting down", code="draining")
@@ -284,11 +285,27 @@ def streaming_response(
 ) -> StreamingResponse:
     """The SSE response of a streamed generation. With ``usage_chunk_base`` (include_usage), a
     last chunk of that base with no choices carries the request's usage."""
-    return StreamingResponse(
+    return GenerationStream(
+        generation,
         sse_stream(generation, first, make_chunks, usage_chunk_base),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
+
+
+class GenerationStream(StreamingResponse):
+    """A streaming response that aborts its generation however it ends: also when the client
+    left before the body began, where the body's generator never runs (nor its ``finally``)."""
+
+    def __init__(self, generation: Generation, content: AsyncIterator[str], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
 
 
 async def sse_stream(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -98,9 +99,12 @@ def test_engine_failure_exits_non_zero(tiny_llama_dir: Path) -> None:
         _wait_ready(url, process)
         response = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 20})
         assert response.status_code == 500
-        assert "injected engine failure" in response.json()["error"]["message"]
+        message = response.json()["error"]["message"]
+        assert "error id" in message and "injected" not in message
         assert process.wait(30) != 0
-        assert b"injected engine failure" in process.communicate()[1]
+        log = process.communicate()[1]
+        error_id = re.search(r"error id (\w+)", message)
+        assert error_id and b"injected engine failure" in log and error_id[1].encode() in log
     finally:
         if process.poll() is None:
             process.kill()

@@ -1,5 +1,5 @@
 """LLMEngine: input validation, abort, stop and length, logprobs, stats, and a failing step that
-fails its own batch only."""
+fails the requests that cause it only."""
 
 from __future__ import annotations
 
@@ -119,25 +119,65 @@ def test_abort_frees_blocks_and_reports(engine) -> None:
     engine.scheduler.check_integrity()
 
 
-def test_a_failing_step_fails_its_batch_only(engine, monkeypatch) -> None:
+def _poison_forward(engine: LLMEngine, monkeypatch, poison: int) -> dict[str, int]:
+    """Makes every forward pass holding the token ``poison`` raise; counts the passes."""
     model = engine.runner.model
     real_forward = model.forward
-    poison = 999
+    calls = {"passes": 0}
 
     def forward(input_ids, *args, **kwargs):
+        calls["passes"] += 1
         if bool((input_ids == poison).any()):
             raise RuntimeError("simulated kernel failure")
         return real_forward(input_ids, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward", forward)
-    engine.add_request("bad", [5, poison, 6], GREEDY)
-    engine.add_request("neighbour", [7, 8], GREEDY)  # in the same first batch
+    return calls
+
+
+def test_a_failing_step_fails_the_request_that_causes_it_only(engine, monkeypatch, caplog) -> None:
+    neighbours = {f"n{i}": [7 + i, 8, 9] for i in range(5)}
+    for request_id, prompt in neighbours.items():  # alone first, for their tokens
+        engine.add_request("alone-" + request_id, prompt, GREEDY)
+    expected = {
+        rid.removeprefix("alone-"): [t for d in ds for t in d.new_token_ids]
+        for rid, ds in _drain(engine).items()
+    }
+
+    calls = _poison_forward(engine, monkeypatch, poison=999)
+    engine.add_request("bad", [5, 999, 6], GREEDY)
+    for request_id, prompt in neighbours.items():  # all in the same first batch
+        engine.add_request(request_id, prompt, GREEDY)
+    with caplog.at_level("ERROR", logger="engine.llm_engine"):
+        outputs = engine.step()
+    finish = {o.request_id: o.finish_reason for o in outputs}
+    assert finish["bad"] == "error" and set(finish) == {"bad", *neighbours}
+    assert all(finish[rid] is None for rid in neighbours)
+    bad = next(o for o in outputs if o.request_id == "bad")
+    assert "error id" in bad.error and "simulated kernel failure" not in bad.error
+    error_id = bad.error.rsplit("error id ", 1)[1].rstrip(")")
+    assert error_id in caplog.text and "simulated kernel failure" in caplog.text
+    assert calls["passes"] <= 1 + 2 * 6  # the batch, then halves down to the culprit
+    # the neighbours go on, with the tokens they get alone
+    deltas = _drain(engine)
+    for request_id in neighbours:
+        first = [o for o in outputs if o.request_id == request_id][0].new_token_ids
+        rest = [t for d in deltas[request_id] for t in d.new_token_ids]
+        assert first + rest == expected[request_id]
+        assert deltas[request_id][-1].finish_reason == "length"
+    assert engine.stats().kv_cache_usage == 0.0
+    engine.scheduler.check_integrity()
+
+
+def test_a_step_failing_for_every_request_fails_them_all(engine, monkeypatch) -> None:
+    _poison_forward(engine, monkeypatch, poison=999)
+    engine.add_request("bad", [5, 999, 6], GREEDY)
+    engine.add_request("also_bad", [999, 8], GREEDY)
     outputs = engine.step()
     assert {o.request_id: o.finish_reason for o in outputs} == {
         "bad": "error",
-        "neighbour": "error",
+        "also_bad": "error",
     }
-    assert all("simulated kernel failure" in o.error for o in outputs)
     assert engine.stats().kv_cache_usage == 0.0
     engine.scheduler.check_integrity()
     # The engine goes on: a later request runs to the end.

@@ -239,6 +239,69 @@ def test_rejected_request_ends_with_a_rejected_output() -> None:
     assert outputs[0].finish_reason == "error"
 
 
+def test_an_unexpected_add_failure_fails_that_request_alone() -> None:
+    engine = FakeEngine()
+    real_add = engine.add_request
+
+    def add_request(request_id: str, prompt: list[int], *args: object, **kwargs: object) -> None:
+        if request_id == "bad":
+            raise TypeError("unexpected add failure")
+        real_add(request_id, prompt, *args, **kwargs)  # type: ignore[arg-type]
+
+    engine.add_request = add_request  # type: ignore[method-assign]
+    fatal: list[str] = []
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        bridge = await _started(engine, on_fatal=fatal.append)
+        params = SamplingParams(max_tokens=3)
+        bad = [o async for o in bridge.generate("bad", [4], params)]
+        good = [o async for o in bridge.generate("good", [4], params)]
+        assert bridge.alive
+        bridge.stop()
+        return bad, good
+
+    bad, good = _run(main())
+    assert len(bad) == 1 and not isinstance(bad[0], RejectedOutput)  # a 500, not a 400
+    assert bad[0].finish_reason == "error" and "error id" in (bad[0].error or "")
+    assert "unexpected" not in (bad[0].error or "")
+    assert good[-1].finish_reason == "length" and not fatal
+
+
+def test_a_failing_on_ready_stops_instead_of_loading_forever() -> None:
+    engine = FakeEngine()
+    fatal: list[str] = []
+
+    def on_ready(_: object) -> None:
+        raise KeyError("no tokenizer")
+
+    async def main() -> None:
+        bridge = await _started(engine, on_fatal=fatal.append, on_ready=on_ready)
+        for _ in range(200):
+            if fatal:
+                break
+            await asyncio.sleep(0.005)
+        assert not bridge.alive
+        with pytest.raises(EngineDeadError, match="error id"):
+            bridge.check_available()
+        bridge.stop()
+
+    _run(main())
+    assert len(fatal) == 1 and "no tokenizer" in fatal[0]
+
+
+def test_stop_shuts_the_engine_down() -> None:
+    engine = FakeEngine()
+    calls: list[int] = []
+    engine.shutdown = lambda: calls.append(threading.get_ident())  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        bridge = await _started(engine)
+        bridge.stop()
+
+    _run(main())
+    assert len(calls) == 1 and calls[0] != threading.get_ident()  # on the engine thread
+
+
 def test_engine_failure_ends_every_pending_request_and_calls_on_fatal() -> None:
     engine = FakeEngine(fail_at_step=3)
     fatal: list[str] = []
@@ -261,8 +324,10 @@ def test_engine_failure_ends_every_pending_request_and_calls_on_fatal() -> None:
 
     finals = _run(main())
     assert [f.finish_reason for f in finals] == ["error"] * 4
-    assert all("injected engine failure" in (f.error or "") for f in finals)
-    assert len(fatal) == 1
+    # clients see an error id; the log and on_fatal have the exception
+    assert all("error id" in (f.error or "") for f in finals)
+    assert not any("injected" in (f.error or "") for f in finals)
+    assert len(fatal) == 1 and "injected engine failure" in fatal[0]
 
 
 def test_idle_engine_thread_does_not_step() -> None:
