@@ -34,6 +34,7 @@ from server.middleware import (
     ErrorMiddleware,
     MetricsMiddleware,
 )
+from server.openapi import openapi_schema
 from server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
 from server.serving import ClientDisconnected, ServerState, read_body
 
@@ -107,6 +108,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     app = FastAPI(
         title="splitfuse", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
+    app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]
     app.state.server = state
     _add_error_handlers(app)
     _add_routes(app, state)

@@ -205,11 +205,17 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+# Fields whose values never appear in an error message or a log line.
+_SECRET_FIELDS = frozenset({"api_key", "api_keys"})
+
+
 def _describe(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         where = ".".join(str(part) for part in item["loc"]) or "config"
-        lines.append(f"  {where}: {item['msg']} (got {item.get('input')!r})")
+        secret = _SECRET_FIELDS.intersection(str(part) for part in item["loc"])
+        got = "a value not shown" if secret else repr(item.get("input"))
+        lines.append(f"  {where}: {item['msg']} (got {got})")
     return "invalid configuration:\n" + "\n".join(lines)
 
 
