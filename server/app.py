@@ -37,6 +37,7 @@ from server.middleware import (
 from server.openapi import openapi_schema
 from server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
 from server.serving import ClientDisconnected, ServerState, read_body
+from server.tokens import TokenText
 
 logger = logging.getLogger("splitfuse.server")
 
@@ -103,6 +104,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
             yield
         finally:
             async_engine.stop()
+            state.close()
 
     # no /openapi.json, /docs or /redoc: the schema is not served to unauthenticated clients
     app = FastAPI(
@@ -166,11 +168,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         token_text = state.check_accepting()
         state.check_model(body.model)
         if body.prompt is not None:
-            tokens = token_text.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await state.off_loop(token_text.encode, body.prompt, body.add_special_tokens)
         else:
             messages = template_messages(body.messages or [])
             try:
-                tokens = token_text.apply_chat_template(messages, body.add_generation_prompt)
+                tokens = await state.off_loop(
+                    token_text.apply_chat_template, messages, body.add_generation_prompt
+                )
+            except APIError:
+                raise
             except Exception as error:  # template errors are the caller's
                 raise APIError(
                     400, f"the chat template failed: {error}", param="messages"
@@ -184,12 +190,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_body(request, DetokenizeRequest)
         token_text = state.check_accepting()
         state.check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < token_text.vocab_size]
-        if bad:
-            raise APIError(
-                400, f"token id {bad[0]} is outside [0, {token_text.vocab_size})", param="tokens"
-            )
-        return JSONResponse({"prompt": token_text.decode(body.tokens)})
+        return JSONResponse({"prompt": await state.off_loop(_detokenize, token_text, body.tokens)})
 
     @app.get("/livez")
     async def livez() -> Response:
@@ -212,6 +213,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _detokenize(token_text: TokenText, tokens: list[int]) -> str:
+    bad = [t for t in tokens if not 0 <= t < token_text.vocab_size]
+    if bad:
+        raise APIError(
+            400, f"token id {bad[0]} is outside [0, {token_text.vocab_size})", param="tokens"
+        )
+    return token_text.decode(tokens)
 
 
 def describe_config(config: ServerConfig) -> str:

@@ -54,11 +54,14 @@ async def create_chat_completion(request: Request) -> Response:
     state.check_model(body.model)
     state.check_num_sequences(1, body.n)
     try:
-        prompt_ids = token_text.apply_chat_template(
+        prompt_ids = await state.off_loop(
+            token_text.apply_chat_template,
             body.template_messages(),
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
+            body.add_generation_prompt,
+            body.continue_final_message,
         )
+    except APIError:
+        raise
     except Exception as error:  # the template's own errors (jinja raise_exception) are 400s
         raise APIError(
             400, f"the chat template failed: {error}", param="messages", code="invalid_value"

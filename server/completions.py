@@ -26,7 +26,8 @@ from server.tokens import TokenText
 
 
 def _prompts(body: CompletionRequest, token_text: TokenText) -> tuple[list[list[int]], list[str]]:
-    """Token ids and text of each prompt."""
+    """Token ids and text of each prompt (the text of token-id prompts only for echo: decoding a
+    long one takes tens of milliseconds)."""
     prompt = body.prompt
     if isinstance(prompt, str):
         texts = [prompt]
@@ -47,7 +48,14 @@ def _prompts(body: CompletionRequest, token_text: TokenText) -> tuple[list[list[
                     code="invalid_value",
                 )
     id_lists = [list(ids) for ids in id_lists]  # type: ignore[union-attr, arg-type]
-    return id_lists, [token_text.decode(ids) for ids in id_lists]  # type: ignore[arg-type]
+    if not body.echo:
+        return id_lists, [""] * len(id_lists)  # type: ignore[return-value]
+    max_model_len = token_text.max_model_len or 0
+    texts = [
+        token_text.decode(ids) if len(ids) <= max_model_len else ""  # too long: refused next
+        for ids in id_lists
+    ]
+    return id_lists, texts  # type: ignore[return-value]
 
 
 class _LogprobsBuilder:
@@ -83,7 +91,7 @@ async def create_completion(request: Request) -> Response:
     token_text = state.check_accepting()
     state.check_model(body.model)
     state.check_num_sequences(body.num_prompts, body.n)  # before tokenizing the prompts
-    prompts, prompt_texts = _prompts(body, token_text)
+    prompts, prompt_texts = await state.off_loop(_prompts, body, token_text)
     max_tokens = body.max_tokens or 16
     for ids in prompts:
         state.check_context(len(ids), max_tokens, param="max_tokens")

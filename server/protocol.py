@@ -7,9 +7,17 @@ message that says so, never silently ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -128,35 +136,50 @@ class _SamplingFields(_Body):
 MAX_PROMPTS = 4096
 
 
+def _check_token_ids(token_ids: list[Any]) -> None:
+    """In Python, not in pydantic: a long list is then checked in bytecode that gives the GIL
+    up every few milliseconds (pydantic checks it in one call that holds it throughout)."""
+    for token_id in token_ids:
+        if type(token_id) is not int or token_id < 0:
+            raise ValueError("token ids must be non-negative integers")
+
+
+# What the API documents; the checks are _check_prompt's.
+_PROMPT_SCHEMA = TypeAdapter(str | list[str] | list[int] | list[list[int]]).json_schema()
+_TOKEN_IDS_SCHEMA = TypeAdapter(list[int]).json_schema()
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[Any], WithJsonSchema(_PROMPT_SCHEMA)]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _count_prompts(cls, value: Any) -> Any:
-        # A list of token ids is one prompt, however long; a list of lists or strings is many.
-        if isinstance(value, list) and len(value) > MAX_PROMPTS and not isinstance(value[0], int):
-            raise ValueError(f"at most {MAX_PROMPTS} prompts, got {len(value)}")
-        return value
-
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("must not be empty")
-            for item in value:
-                if isinstance(item, list) and not item:
-                    raise ValueError("token id lists must not be empty")
-                if isinstance(item, list) and any(t < 0 for t in item):
-                    raise ValueError("token ids must be non-negative")
-                if isinstance(item, int) and item < 0:
-                    raise ValueError("token ids must be non-negative")
+    def _check_prompt(cls, value: str | list[Any]) -> str | list[Any]:
+        """A string, a list of strings, a list of token ids, or a list of lists of them."""
+        if isinstance(value, str):
+            return value
+        if not value:
+            raise ValueError("must not be empty")
+        if type(value[0]) is int:  # one prompt of token ids, however long
+            _check_token_ids(value)
+            return value
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts, got {len(value)}")
+        if isinstance(value[0], str):
+            if not all(isinstance(item, str) for item in value):
+                raise ValueError("a list of prompts holds strings only, or token id lists only")
+            return value
+        for item in value:
+            if not isinstance(item, list):
+                raise ValueError("a list of prompts holds strings only, or token id lists only")
+            if not item:
+                raise ValueError("token id lists must not be empty")
+            _check_token_ids(item)
         return value
 
     @property
@@ -302,4 +325,10 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[Any], WithJsonSchema(_TOKEN_IDS_SCHEMA)]
+
+    @field_validator("tokens")
+    @classmethod
+    def _check_tokens(cls, value: list[Any]) -> list[Any]:
+        _check_token_ids(value)
+        return value

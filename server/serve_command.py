@@ -13,6 +13,7 @@ _FLAG_FIELDS = (
     "port",
     "served_model_name",
     "max_queued_requests",
+    "max_sequences_per_request",
     "max_body_bytes",
     "api_key",
     "api_key_file",
@@ -56,7 +57,14 @@ def register(subparsers: Any) -> None:
     server.add_argument("--port", type=int, help="port (default 8000)")
     server.add_argument("--served-model-name", help="the model name clients send")
     server.add_argument(
-        "--max-queued-requests", type=int, help="requests waiting for a first token before 429"
+        "--max-queued-requests",
+        type=int,
+        help="sequences (prompts x n) waiting for a first token before 429 (256)",
+    )
+    server.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        help="prompts x n one request may ask for; more get 400 (128)",
     )
     server.add_argument("--max-body-bytes", help="413 above this body size (e.g. 1MiB)")
     server.add_argument(

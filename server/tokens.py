@@ -7,6 +7,8 @@ import functools
 import re
 from typing import Any
 
+from server.errors import APIError
+
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte fallback
 
 
@@ -29,11 +31,18 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class TokenText:
-    """Wraps a transformers tokenizer for the server."""
+    """Wraps a transformers tokenizer for the server. With ``max_model_len``, a text too long to
+    fit the context whatever its tokens is refused before it is tokenized."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        # No token stands for more characters than its vocabulary entry spells (byte-level and
+        # sentencepiece entries: one character per byte or character); twice that bound leaves
+        # room for normalizers that fold characters together.
+        self.max_model_len = max_model_len
+        longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+        self.max_text_chars = None if max_model_len is None else 2 * longest * max_model_len
         self._byte_level = self._detect_byte_level()
         self.text = functools.lru_cache(maxsize=65536)(self._text)
         self.bytes = functools.lru_cache(maxsize=65536)(self._bytes)
@@ -44,7 +53,17 @@ class TokenText:
         decoder = _byte_decoder()
         return all(isinstance(p, str) and all(c in decoder for c in p) for p in pieces)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
+        if self.max_text_chars is not None and len(text) > self.max_text_chars:
+            raise APIError(
+                400,
+                f"the {param} has {len(text)} characters, more than any text that fits this "
+                f"model's context ({self.max_text_chars} characters at most)",
+                param=param,
+                code="context_length_exceeded",
+            )
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -65,7 +84,7 @@ class TokenText:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
-        return self.encode(rendered, add_special_tokens=False)
+        return self.encode(rendered, add_special_tokens=False, param="messages")
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

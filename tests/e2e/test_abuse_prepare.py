@@ -1,0 +1,110 @@
+"""Big bodies are parsed, validated and tokenized off the event loop: /livez keeps answering
+within 100 ms (p99) while clients keep sending them, and a text too long for any context is
+refused before it is tokenized."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from server.runner import ServerThread
+
+# ~3.9 MB each, under the 4 MiB body limit
+_IDS = list(range(1, 900)) * 900
+_BIG_BODIES = [
+    ("/v1/completions", {"prompt": _IDS, "max_tokens": 1}),  # validated, then too long: 400
+    ("/v1/completions", {"prompt": [_IDS[:700]] * 1100, "max_tokens": 1}),  # 400: too many
+    ("/detokenize", {"tokens": _IDS}),  # 200, a long text
+    ("/tokenize", {"prompt": "lorem ipsum " * 330_000}),  # 400 before tokenizing
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab " * 1_300_000}]}),
+]
+
+
+@pytest.fixture(scope="module")
+def encoded() -> list[tuple[str, bytes]]:
+    return [(path, json.dumps(body).encode()) for path, body in _BIG_BODIES]
+
+
+def _livez_while_posting(
+    server: ServerThread, bodies: list[tuple[str, bytes]], num_clients: int = 2
+) -> tuple[list[float], list[int]]:
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def client(offset: int) -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            index = offset
+            while not stop.is_set():
+                path, raw = bodies[index % len(bodies)]
+                index += 1
+                response = http.post(
+                    path, content=raw, headers={"Content-Type": "application/json"}
+                )
+                statuses.append(response.status_code)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(num_clients)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    latencies = []
+    with httpx.Client(base_url=server.url) as http:
+        for _ in range(100):
+            start = time.perf_counter()
+            assert http.get("/livez").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.01)
+    stop.set()
+    for thread in threads:
+        thread.join(120)
+    return latencies, statuses
+
+
+def test_livez_answers_while_big_bodies_are_prepared(
+    tiny_server: ServerThread, encoded: list[tuple[str, bytes]]
+) -> None:
+    latencies, statuses = _livez_while_posting(tiny_server, encoded)
+    p99 = statistics.quantiles(latencies, n=100)[98]
+    print(f"/livez while big bodies are prepared: p50 {statistics.median(latencies) * 1e3:.1f} "
+          f"ms, p99 {p99 * 1e3:.1f} ms, {len(statuses)} bodies")  # fmt: skip
+    assert len(statuses) >= len(encoded)
+    assert set(statuses) <= {200, 400}
+    assert p99 < 0.100
+
+
+@pytest.fixture
+def client(tiny_server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as http:
+        yield http
+
+
+def test_a_text_too_long_for_the_context_is_refused_untokenized(client: httpx.Client) -> None:
+    for path, body, param in [
+        ("/tokenize", {"prompt": "x" * 2_000_000}, "prompt"),
+        ("/v1/completions", {"prompt": "x" * 2_000_000}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2_000_000}]},
+         "messages"),
+    ]:  # fmt: skip
+        start = time.perf_counter()
+        response = client.post(path, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == param
+        assert time.perf_counter() - start < 5
+
+
+def test_token_ids_are_checked_as_before(client: httpx.Client) -> None:
+    for prompt in ([1, -1], [[1], []], [1, True], [1.0, 2], [[1], "a"], ["a", [1]], []):
+        response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 400, (prompt, response.text)
+        assert response.json()["error"]["param"] == "prompt"
+    ok = client.post("/v1/completions", json={"prompt": [[5, 6], [7]], "max_tokens": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+    bad = client.post("/detokenize", json={"tokens": [1, "2"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert client.post("/detokenize", json={"tokens": [5, 6]}).status_code == 200
