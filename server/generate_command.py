@@ -60,6 +60,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from engine.config import DEFAULT_MODEL, EngineConfig
+    from engine.detokenizer import SequenceText, StopStrings
     from engine.llm_engine import LLMEngine
     from scheduler.sampling_params import SamplingParams
 
@@ -93,20 +94,16 @@ def _run(args: argparse.Namespace) -> int:
         params = dataclasses.replace(params, max_tokens=max_tokens)
     engine.add_request("generate", prompt_ids, params)
 
-    token_ids: list[int] = []
-    printed = ""
+    # incremental, as the server detokenizes: a character split across tokens is printed whole
+    text = SequenceText(tokenizer, prompt_ids, StopStrings(()))
     error = None
     while engine.has_unfinished_requests():
         for delta in engine.step():
-            token_ids.extend(delta.new_token_ids)
             error = delta.error or error
-        text = tokenizer.decode(token_ids, skip_special_tokens=True)
-        # Hold back a trailing partial UTF-8 character until its last byte arrives.
-        stable = text.rstrip("\ufffd") if engine.has_unfinished_requests() else text
-        if stable.startswith(printed) and len(stable) > len(printed):
-            sys.stdout.write(stable[len(printed) :])
-            sys.stdout.flush()
-            printed = stable
+            piece = text.add(delta.new_token_ids, finished=delta.finish_reason is not None)
+            if piece:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
     if error is not None:
