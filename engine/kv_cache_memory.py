@@ -3,11 +3,14 @@
 The cache is one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (K at
 index 0, V at 1). A block of SmolLM2-135M in bfloat16: 30 layers x 2 x 16 x 3 x 64 x 2 bytes =
 368,640 bytes, so 1 GiB holds 2,912 blocks (46,592 tokens).
+
+The cache's memory is committed when it is allocated, at start-up: resident memory holds the whole
+budget from then on, instead of growing towards it for hours as requests reach block after block,
+and a budget that does not fit stops the start instead of a pod meeting its memory limit later.
 """
 
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 
 import torch
@@ -58,11 +61,27 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """A zeroed cache. On a CPU it lives in an anonymous memory map: pages are zero and are
-    committed only when first written, so a large budget costs nothing until it is used."""
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+    """A zeroed cache whose memory is committed now. A CPU maps a fresh allocation's pages only
+    when they are first written: zeroing writes every one of them, so resident memory rises by the
+    cache's size here (a GPU's allocation is committed anyway). A cache larger than the free
+    memory raises ValueError first: committing it would end in the out-of-memory killer."""
     num_bytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) * num_blocks
-    buffer = mmap.mmap(-1, num_bytes)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+    try:
+        free_bytes = free_memory_bytes(device)
+    except RuntimeError:  # no /proc/meminfo: the size is taken as given
+        free_bytes = num_bytes
+    if num_bytes > free_bytes:
+        raise ValueError(
+            f"the KV-cache budget of {_mib(num_bytes)} ({num_blocks} blocks) does not fit: "
+            f"{_mib(free_bytes)} of memory is free on {device.type}; lower kv_cache_memory "
+            "(bytes such as '2GiB', or a fraction of free memory such as 0.3), or num_kv_blocks "
+            "where it is set"
+        )
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.empty(shape, dtype=dtype, device=device)
+    cache.zero_()
+    return cache
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.0f} MiB"

@@ -92,6 +92,7 @@ class ModelRunner:
         # Block ids are shared by every rank's cache: all ranks take the smallest count.
         num_kv_blocks = parallel.min_over_ranks(num_kv_blocks)
         self.num_kv_blocks = num_kv_blocks
+        start = time.perf_counter()
         self.kv_cache = allocate_kv_cache(
             model_config.num_layers,
             num_kv_blocks,
@@ -100,13 +101,14 @@ class ModelRunner:
             model_config.head_dim,
             dtype,
             device,
-        )  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        )  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], memory committed
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, committed in %.1f s)",
             num_kv_blocks,
             block_size,
             num_kv_blocks * block_size,
             num_kv_blocks * block_bytes / 2**20,
+            time.perf_counter() - start,
         )
         for module in self.model.modules():
             if isinstance(module, MatmulLayer):

@@ -1,14 +1,20 @@
-"""Ref-counted KV-cache blocks, a free queue in LRU order, and the prefix-cache map.
+"""Ref-counted KV-cache blocks, two free lists, and the prefix-cache map.
 
 A block is one of three things at any time:
 
-    in use          ref_count > 0, not in the free queue (may be cached: full and immutable)
-    free, cached    ref_count == 0, in the free queue, still mapped by its hash: reusable
-    free            ref_count == 0, in the free queue, no hash
+    in use          ref_count > 0, on no free list (may be cached: full and immutable)
+    free, cached    ref_count == 0, in the cached free queue, still mapped by its hash: reusable
+    free            ref_count == 0, on the free stack, no hash
 
-``allocate`` takes blocks from the head of the free queue (least recently freed first), evicting
-their hash; ``free`` appends blocks whose count drops to 0 at the tail. A cached block is only ever
-full: its tokens never change, so any number of requests may share it.
+``allocate`` pops the free stack first (most recently freed first: a small working set of blocks
+stays hot while the rest of the cache sits idle), and only when it is empty evicts cached blocks
+from the head of the cached free queue (least recently freed first), dropping their hash. ``free``
+pushes blocks whose count drops to 0 onto the stack, or appends them to the queue's tail when they
+are cached. A cached prefix is thus evicted only when no uncached block is free:
+
+    free stack [5, 3] (3 on top), cached queue [0, 1]:   allocate(3) -> [3, 5, 0], hash of 0 gone
+
+A cached block is only ever full: its tokens never change, so any number of requests may share it.
 
 Every method validates all of its block ids before it changes anything and raises a typed error
 (``kv_cache.errors``) on misuse.
@@ -54,14 +60,16 @@ class BlockPool:
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
         self._hashes: list[BlockHash | None] = [None] * num_blocks
-        # Insertion order is LRU order: the head is evicted first.
-        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free blocks without a hash; the top (end) is popped first, so block 0 goes first.
+        self._free_stack: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Free cached blocks; insertion order is LRU order: the head is evicted first.
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks with ref count 0, cached or not: all of them can be allocated now."""
-        return len(self._free_queue)
+        return len(self._free_stack) + len(self._free_cached)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -80,19 +88,22 @@ class BlockPool:
         return self._cached.get(block_hash)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks (ref count 1) from the head of the free queue, evicting the
-        hashes of cached ones."""
+        """Take ``num_blocks`` blocks (ref count 1): from the top of the free stack, then from the
+        head of the cached free queue, evicting their hashes."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if num_blocks > len(self._free_queue):
+        if num_blocks > self.num_free_blocks:
             raise OutOfBlocksError(
-                f"asked for {num_blocks} blocks, only {len(self._free_queue)} are free"
+                f"asked for {num_blocks} blocks, only {self.num_free_blocks} are free"
             )
         block_ids = []
         for _ in range(num_blocks):
-            block_id, _ = self._free_queue.popitem(last=False)
-            block_hash = self._hashes[block_id]
-            if block_hash is not None:
+            if self._free_stack:
+                block_id = self._free_stack.pop()
+            else:
+                block_id, _ = self._free_cached.popitem(last=False)
+                block_hash = self._hashes[block_id]
+                assert block_hash is not None
                 del self._cached[block_hash]
                 self._hashes[block_id] = None
             self._ref_counts[block_id] = 1
@@ -100,8 +111,8 @@ class BlockPool:
         return block_ids
 
     def share(self, block_ids: Sequence[int]) -> None:
-        """Add one reference to each cached block (a prefix-cache hit); a free one leaves the free
-        queue."""
+        """Add one reference to each cached block (a prefix-cache hit); a free one leaves the cached
+        free queue."""
         self._check_ids(block_ids)
         for block_id in block_ids:
             block_hash = self._hashes[block_id]
@@ -109,12 +120,13 @@ class BlockPool:
                 raise BlockStateError(f"block {block_id} is not in the prefix cache")
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
-                del self._free_queue[block_id]
+                del self._free_cached[block_id]
             self._ref_counts[block_id] += 1
 
     def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference per listed id; blocks reaching 0 join the tail of the free queue in
-        the order given (so list a request's blocks last-first to keep its prefix longest)."""
+        """Drop one reference per listed id; blocks reaching 0 are pushed onto the free stack or,
+        when cached, join the tail of the cached free queue, in the order given (so list a
+        request's blocks last-first to keep its prefix longest)."""
         self._check_ids(block_ids)
         for block_id, count in Counter(block_ids).items():
             if count > self._ref_counts[block_id]:
@@ -125,7 +137,10 @@ class BlockPool:
         for block_id in block_ids:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free_queue[block_id] = None
+                if self._hashes[block_id] is None:
+                    self._free_stack.append(block_id)
+                else:
+                    self._free_cached[block_id] = None
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
         """Register a full, computed block under ``block_hash``. Returns False (and leaves the block
@@ -148,15 +163,18 @@ class BlockPool:
         """Raise AssertionError when an invariant does not hold (for tests and idle checks)."""
         assert len(self._ref_counts) == len(self._hashes) == self.num_blocks
         assert all(count >= 0 for count in self._ref_counts), "negative ref count"
-        free_ids = set(self._free_queue)
-        assert len(free_ids) == len(self._free_queue)
+        free_ids = set(self._free_stack) | set(self._free_cached)
+        assert len(free_ids) == self.num_free_blocks, "a block is free twice"
         for block_id in range(self.num_blocks):
-            in_free_queue = block_id in free_ids
-            assert in_free_queue == (self._ref_counts[block_id] == 0), (
-                f"block {block_id}: ref count {self._ref_counts[block_id]}, "
-                f"in free queue: {in_free_queue}"
+            is_free = block_id in free_ids
+            assert is_free == (self._ref_counts[block_id] == 0), (
+                f"block {block_id}: ref count {self._ref_counts[block_id]}, free: {is_free}"
             )
             block_hash = self._hashes[block_id]
+            if is_free:
+                assert (block_id in self._free_cached) == (block_hash is not None), (
+                    f"block {block_id} is on the wrong free list"
+                )
             if block_hash is not None:
                 assert self._cached.get(block_hash) == block_id, f"block {block_id}: stale hash"
         for block_hash, block_id in self._cached.items():

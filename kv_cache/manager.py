@@ -141,7 +141,7 @@ class KVCacheManager:
         if num_new_blocks <= 0 and not new_computed_blocks:
             return []
         num_new_blocks = max(num_new_blocks, 0)
-        # Cached blocks nobody holds sit in the free queue: sharing them uses free blocks too.
+        # Cached blocks nobody holds count as free: sharing them uses free blocks too.
         num_evictable = sum(1 for b in new_computed_blocks if self.pool.ref_count(b) == 0)
         if num_new_blocks + num_evictable > self.pool.num_free_blocks:
             return None

@@ -55,7 +55,8 @@ def default_engine_factory(config: EngineConfig) -> Any:
 
 
 def _load_with_progress(factory: EngineFactory, config: EngineConfig) -> Any:
-    """Runs the factory while logging elapsed time, then the start-up line with the block count."""
+    """Runs the factory while logging elapsed time, then the start-up line with the block count
+    and the resident memory (the KV cache is committed by then)."""
     start = time.monotonic()
     done = threading.Event()
 
@@ -71,12 +72,15 @@ def _load_with_progress(factory: EngineFactory, config: EngineConfig) -> Any:
     finally:
         done.set()
     resolved = getattr(engine, "config", config)
+    from engine.step_graphs import resident_mib
+
     logger.info(
-        "engine ready in %.1f s: model=%s num_kv_blocks=%s max_model_len=%s config=%s",
+        "engine ready in %.1f s: model=%s num_kv_blocks=%s max_model_len=%s rss_mib=%.0f config=%s",
         time.monotonic() - start,
         getattr(engine, "model_name", config.model),
         getattr(engine, "num_kv_blocks", "?"),
         getattr(engine, "max_model_len", "?"),
+        resident_mib(),
         resolved.model_dump_json() if hasattr(resolved, "model_dump_json") else resolved,
     )
     return engine

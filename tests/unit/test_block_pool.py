@@ -1,4 +1,5 @@
-"""BlockPool: ref counts, LRU free queue, prefix-cache map, and typed errors on misuse."""
+"""BlockPool: ref counts, the free stack and the cached free queue (LRU), prefix-cache map, and
+typed errors on misuse."""
 
 import pytest
 
@@ -21,14 +22,25 @@ def snapshot(pool: BlockPool) -> tuple:
     )
 
 
-def test_allocate_takes_the_head_of_the_free_queue_and_free_appends_at_the_tail():
+def test_uncached_blocks_are_handed_out_most_recently_freed_first():
     pool = BlockPool(num_blocks=4, block_size=2)
     assert pool.allocate(2) == [0, 1]
     assert pool.num_free_blocks == 2
     pool.free([1, 0])
-    # Free queue now 2, 3, 1, 0.
-    assert pool.allocate(4) == [2, 3, 1, 0]
+    # Free stack now 3, 2, 1, 0 (0 on top): the blocks just freed go out again first.
+    assert pool.allocate(4) == [0, 1, 2, 3]
     assert pool.num_free_blocks == 0
+    pool.check_integrity()
+
+
+def test_a_freeing_and_allocating_workload_touches_only_its_working_set():
+    pool = BlockPool(num_blocks=1000, block_size=16)
+    touched: set[int] = set()
+    for _ in range(200):
+        block_ids = pool.allocate(5)
+        touched.update(block_ids)
+        pool.free(block_ids[::-1])
+    assert touched == set(range(5))
     pool.check_integrity()
 
 
@@ -50,15 +62,24 @@ def test_ref_counts_and_sharing_of_cached_blocks():
     pool.check_integrity()
 
 
-def test_eviction_from_the_head_drops_the_hash():
-    pool = BlockPool(num_blocks=2, block_size=2)
-    first, second = pool.allocate(2)
+def test_cached_blocks_are_evicted_last_least_recently_freed_first():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    first, second, third, fourth = pool.allocate(4)
     hash_first = hash_block_tokens(None, [1, 2])
+    hash_second = hash_block_tokens(hash_first, [3, 4])
     pool.cache_block(first, hash_first)
-    pool.free([first, second])
-    assert pool.allocate(1) == [first]  # the least recently freed block goes first
-    assert pool.lookup(hash_first) is None
-    assert pool.block_hash(first) is None
+    pool.cache_block(second, hash_second)
+    pool.free([second, first, third, fourth])
+    # The uncached blocks go first (most recently freed first); the prefix stays cached.
+    assert pool.allocate(2) == [fourth, third]
+    assert pool.lookup(hash_first) == first and pool.lookup(hash_second) == second
+    # Then the cached ones, in the order they were freed, each losing its hash.
+    assert pool.allocate(1) == [second]
+    assert pool.lookup(hash_second) is None and pool.block_hash(second) is None
+    assert pool.lookup(hash_first) == first
+    assert pool.allocate(1) == [first]
+    assert pool.lookup(hash_first) is None and pool.block_hash(first) is None
+    assert pool.num_cached_blocks == 0
     pool.check_integrity()
 
 
@@ -120,6 +141,17 @@ def test_constructor_rejects_bad_sizes():
 def test_check_integrity_catches_a_broken_invariant():
     pool = BlockPool(num_blocks=2, block_size=2)
     pool.allocate(1)
-    pool._ref_counts[0] = 0  # a block with no references outside the free queue
+    pool._ref_counts[0] = 0  # a block with no references outside the free lists
     with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+def test_check_integrity_catches_a_cached_block_on_the_free_stack():
+    pool = BlockPool(num_blocks=2, block_size=2)
+    [block] = pool.allocate(1)
+    pool.cache_block(block, hash_block_tokens(None, [1, 2]))
+    pool.free([block])
+    pool._free_cached.pop(block)
+    pool._free_stack.append(block)
+    with pytest.raises(AssertionError, match="wrong free list"):
         pool.check_integrity()

@@ -1,11 +1,15 @@
 """KVCacheManager: block tables, allocation that fits or changes nothing, prefix caching; and
-hypothesis state-machine tests over random admit / append / share prefix / free / preempt."""
+hypothesis state-machine tests over random admit / append / share prefix / free / preempt. Then
+the KV tensor's memory: committed when it is allocated, and a budget that does not fit refused."""
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import engine.kv_cache_memory as kv_memory
+from engine.step_graphs import resident_mib
 from kv_cache import KVCacheManager, RequestStateError
 from scheduler import Request, SamplingParams
 
@@ -101,6 +105,21 @@ def test_freed_blocks_stay_cached_and_the_prefix_is_evicted_last():
     other = make_request("b", [9, 9, 9])
     assert kv.allocate_slots(other, 3) == [3, 2]
     again = make_request("c", [1, 2, 3, 4, 5, 6, 7])
+    assert kv.get_computed_blocks(again) == ([0, 1], 4)
+    kv.check_integrity()
+
+
+def test_a_cached_prefix_outlives_churn_through_uncached_blocks():
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    first = make_request("a", [1, 2, 3, 4, 5])
+    admit(kv, first)
+    compute_all(kv, first)  # blocks 0, 1 cached; 2 holds the fifth token
+    kv.free(first)
+    for index in range(50):  # five uncached blocks are free: each request takes two of them
+        other = make_request(f"other-{index}", [100 + index] * 3)
+        assert set(kv.allocate_slots(other, 3)).isdisjoint({0, 1})
+        kv.free(other)
+    again = make_request("c", [1, 2, 3, 4, 9])
     assert kv.get_computed_blocks(again) == ([0, 1], 4)
     kv.check_integrity()
 
@@ -275,3 +294,34 @@ ManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestManagerMachine = ManagerMachine.TestCase
+
+
+# -- the KV tensor's memory -----------------------------------------------------------------------
+
+
+def test_the_kv_cache_is_resident_as_soon_as_it_is_allocated():
+    # 4 layers x 2 x 16 tokens x 4 KV heads x 64 x 4 bytes = 128 KiB per block; 1,024 blocks
+    num_bytes = kv_memory.bytes_per_block(4, 16, 4, 64, torch.float32) * 1024
+    assert num_bytes == 128 * 2**20
+    before = resident_mib()
+    cache = kv_memory.allocate_kv_cache(4, 1024, 16, 4, 64, torch.float32, torch.device("cpu"))
+    grown = resident_mib() - before
+    assert grown > 0.9 * 128, f"resident memory grew by {grown:.0f} MiB for a 128 MiB cache"
+    assert cache.shape == (4, 2, 1024, 16, 4, 64) and not cache.any()
+
+
+def test_a_cache_larger_than_free_memory_is_refused_naming_budget_free_memory_and_setting(
+    monkeypatch,
+):
+    monkeypatch.setattr(kv_memory, "free_memory_bytes", lambda device: 100 * 2**20)
+    before = resident_mib()
+    with pytest.raises(ValueError) as refused:
+        kv_memory.allocate_kv_cache(4, 1024, 16, 4, 64, torch.float32, torch.device("cpu"))
+    message = str(refused.value)
+    assert "the KV-cache budget of 128 MiB (1024 blocks) does not fit" in message
+    assert "100 MiB of memory is free on cpu" in message
+    assert "lower kv_cache_memory" in message
+    assert resident_mib() - before < 64  # refused before anything was committed
+    # What fits is allocated.
+    cache = kv_memory.allocate_kv_cache(4, 512, 16, 4, 64, torch.float32, torch.device("cpu"))
+    assert cache.shape == (4, 2, 512, 16, 4, 64)
