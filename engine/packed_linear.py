@@ -43,11 +43,32 @@ class PackedWeight(OpaqueBase):
 register_opaque_type(PackedWeight, typ="reference")
 
 
+def padded_rows(num_rows: int) -> int:
+    """The row count a product runs with: up to 16 as it is, above that rounded up to a multiple
+    of 1/8 of the power of two below it (2 for 17-31 rows, 4 for 32-63, ..., 32 for 256-511), so
+    at most 1/8 more rows. oneDNN builds and caches a kernel per shape (1,024 in each of two
+    caches), so one shape per prompt-chunk length would fill resident memory with kernels each
+    run once (+512 MiB over a 10,000-request soak); padded, a weight has 57 shapes up to 512
+    rows. Extra rows cost little: a product of fewer than ~100 rows is bound by reading the
+    weight."""
+    if num_rows <= 16:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - 4)
+    return -(-num_rows // step) * step
+
+
 def packed_linear(
     x: torch.Tensor, weight: PackedWeight, out_features: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x W^T + b``: [num_rows, in_features] -> [num_rows, out_features]."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+    """``x W^T + b``: [num_rows, in_features] -> [num_rows, out_features] (run on
+    ``padded_rows(num_rows)`` rows)."""
+    num_rows = x.shape[0]
+    padded = padded_rows(num_rows)
+    if padded == num_rows:
+        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+    x = torch.nn.functional.pad(x, (0, 0, 0, padded - num_rows))
+    out = torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+    return out[:num_rows]
 
 
 def _packed_linear_shape(

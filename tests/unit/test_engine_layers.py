@@ -63,3 +63,20 @@ def test_packing_a_tied_head_keeps_the_embedding() -> None:
     assert head.packed_weight is not None and head.weight is embedding.weight
     assert torch.equal(embedding(ids), expected)
     assert torch.equal(head(expected), F.linear(expected, embedding.weight))
+
+
+def test_packed_products_run_on_few_row_counts_and_keep_every_row() -> None:
+    from engine.packed_linear import PackedWeight, packed_linear, padded_rows
+
+    sizes = {padded_rows(rows) for rows in range(1, 513)}
+    assert len(sizes) <= 60  # one oneDNN kernel per size and weight, not per row count
+    for rows in range(1, 1025):
+        padded = padded_rows(rows)
+        assert rows <= padded <= max(16, rows + rows // 8)
+    weight = torch.randn(48, 32)
+    packed = PackedWeight(weight)
+    for rows in (1, 16, 17, 33, 100):
+        x = torch.randn(rows, 32)
+        out = packed_linear(x, packed, 48, None)
+        assert out.shape == (rows, 48)
+        torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
