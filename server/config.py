@@ -66,7 +66,7 @@ class ServerConfig(BaseModel):
         description="sequences (prompts x n) one API call may ask for; more get 400 naming the "
         "param. A call is also refused (400) above max_queued_requests, which it could never fit",
     )
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="413 above this ('1MiB')")
+    max_body_bytes: int = Field(2 * 1024 * 1024, ge=1, description="413 above this ('2MiB')")
     api_key: tuple[str, ...] = Field(
         (), validation_alias=AliasChoices("api_key", "api_keys"), description="accepted keys"
     )

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,8 +69,68 @@ def tiny_tokenizer(tiny_llama_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
+# What the abuse tests assert of /livez's p99 while they run: the event loop never waits for the
+# abusive work (before the fixes it did, for 0.4-4 s per body). They print p50 and p99; with the
+# server alone on the 2 cores the p99 is 10-70 ms (the issue's target: 100 ms), but the load is
+# made by the test's own threads on the same cores, and CI machines are shared, so the assertion
+# leaves room for their scheduling.
+LIVEZ_P99_BOUND = 1.0
+
+
+class ServerProcess:
+    """``splitfuse serve`` in its own process: what its ``/livez`` does under load is the
+    server's alone, not shared (one GIL) with the threads of the test that loads it."""
+
+    def __init__(self, model_dir: Path) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "server.cli", "serve", str(model_dir),
+                   "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "64MiB",
+                   "--no-compile", "--num-threads", "1", "--log-level", "warning"]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.process.poll() is None, self.process.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "the server was not ready in 120 s"
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+    def num_running(self) -> float:
+        metrics = httpx.get(self.url + "/metrics").text
+        line = next(
+            x for x in metrics.splitlines() if x.startswith("splitfuse_num_requests_running")
+        )
+        return float(line.split()[-1])
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_server_process(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+    """One ``splitfuse serve`` process on the tiny model, float32, eager, for the tests that
+    measure ``/livez`` while they abuse the server."""
+    server = ServerProcess(tiny_llama_dir)
+    yield server
+    server.stop()
+
+
 def livez_latencies_under_load(
-    server: ServerThread, body: dict[str, Any], num_clients: int, join_seconds: float
+    server: ServerThread | ServerProcess,
+    body: dict[str, Any],
+    num_clients: int,
+    join_seconds: float,
 ) -> list[float]:
     """Seconds of 100 ``/livez`` calls made while ``num_clients`` clients keep posting ``body`` to
     /v1/completions (the engine saturated); prints p50 and p99."""
@@ -84,8 +147,13 @@ def livez_latencies_under_load(
 
     loader = threading.Thread(target=asyncio.run, args=(load(),), daemon=True)
     loader.start()
-    while server.state.engine.num_in_flight < 4:
-        time.sleep(0.01)
+    deadline = time.monotonic() + 30
+    if isinstance(server, ServerProcess):
+        while server.num_running() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        while server.state.engine.num_in_flight < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
     latencies = []
     with httpx.Client(base_url=server.url) as client:
         for _ in range(100):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -134,7 +135,9 @@ def test_killed_worker_fails_requests_and_leaves_no_process(server) -> None:
     assert killed_at is not None, f"the stream ended before the kill: {events}"
     failed_after = time.monotonic() - killed_at
     assert "error" in events[-1], events[-1]
-    assert "tensor-parallel worker rank 1" in events[-1]["error"]["message"], events[-1]
+    message = events[-1]["error"]["message"]
+    error_id = re.search(r"error id (\w+)", message)
+    assert error_id and "rank" not in message, events[-1]  # the client gets an id, the log the why
     assert failed_after < FAIL_TIMEOUT, failed_after
     generated = sum(len(event["choices"][0]["text"]) > 0 for event in events[:-1])
     assert generated < 900, "the request ran to completion despite the dead worker"
@@ -145,6 +148,8 @@ def test_killed_worker_fails_requests_and_leaves_no_process(server) -> None:
     except httpx.TransportError:
         pass  # the server may already be gone: it exits about a second after the failure
     assert process.wait(EXIT_TIMEOUT) != 0
+    log = log_path.read_text()
+    assert "tensor-parallel worker rank 1" in log and error_id[1] in log, log[-2000:]
     deadline = time.monotonic() + 5.0
     while any(_alive(pid) for pid in descendants) and time.monotonic() < deadline:
         time.sleep(0.1)
