@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import json
 import math
 import re
@@ -94,6 +95,11 @@ class ServerState:
         self._prep.shutdown(wait=False, cancel_futures=True)
 
     def on_engine_ready(self, engine: Any) -> None:
+        # What loading made (modules, tokenizer, compiled code) lives as long as the server: out
+        # of the collector's scans, so that a full collection under load does not pause the
+        # event loop for each of those objects.
+        gc.collect()
+        gc.freeze()
         self.token_text = TokenText(engine.tokenizer, engine.max_model_len)
         self.model_name = self.config.served_model_name or engine.model_name
         self.max_model_len = engine.max_model_len
