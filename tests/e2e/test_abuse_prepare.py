@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from server.runner import ServerThread
-from tests.e2e.conftest import LIVEZ_P99_BOUND
+from tests.e2e.conftest import LIVEZ_P99_BOUND, probe_livez
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import ServerProcess
@@ -57,13 +57,7 @@ def _livez_while_posting(
     for thread in threads:
         thread.start()
     time.sleep(0.5)
-    latencies = []
-    with httpx.Client(base_url=url) as http:
-        for _ in range(100):
-            start = time.perf_counter()
-            assert http.get("/livez").status_code == 200
-            latencies.append(time.perf_counter() - start)
-            time.sleep(0.01)
+    latencies = probe_livez(url)
     stop.set()
     for thread in threads:
         thread.join(120)
