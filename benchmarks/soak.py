@@ -2,7 +2,7 @@
 leaked or hung and that resident memory stayed flat.
 
     python benchmarks/soak.py                          # the default model, 10,000 requests
-    python benchmarks/soak.py --tiny-model /tmp/tiny   # the tiny random test model, built there
+    python benchmarks/soak.py --tiny-model DIR         # the tiny random test model, built in DIR
     python benchmarks/soak.py --url http://127.0.0.1:8000 --server-pid PID   # a running server
 
 Without ``--url`` the script starts ``splitfuse serve`` in a subprocess on a free port (so that its
