@@ -264,9 +264,8 @@ class LLMEngine:
         self.executor.drop_requests(culprits)
         if culprits:
             logger.error("error id %s: failed requests %s", error_id, ", ".join(culprits))
-        token_ids = [sampled.get(i, (-1, None))[0] for i in batch.sample_request_ids]
-        logprobs = [sampled.get(i, (-1, None))[1] for i in batch.sample_request_ids]
-        return token_ids, logprobs, failed
+        results = [sampled.get(i, (-1, None)) for i in batch.sample_request_ids]
+        return [token_id for token_id, _ in results], [logprob for _, logprob in results], failed
 
     def add_fatal_listener(self, listener: Callable[[str], None]) -> None:
         """``listener(message)`` is called (from another thread) if the engine can no longer run,

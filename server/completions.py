@@ -50,10 +50,10 @@ def _prompts(body: CompletionRequest, token_text: TokenText) -> tuple[list[list[
     id_lists = [list(ids) for ids in id_lists]  # type: ignore[union-attr, arg-type]
     if not body.echo:
         return id_lists, [""] * len(id_lists)  # type: ignore[return-value]
-    max_model_len = token_text.max_model_len or 0
+    max_model_len = token_text.max_model_len
     texts = [
-        token_text.decode(ids) if len(ids) <= max_model_len else ""  # too long: refused next
-        for ids in id_lists
+        "" if max_model_len is not None and len(ids) > max_model_len else token_text.decode(ids)
+        for ids in id_lists  # too long: refused next, not decoded
     ]
     return id_lists, texts  # type: ignore[return-value]
 

@@ -92,6 +92,26 @@ print(json.dumps(latencies))
 """
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Until ``url``/readyz answers 200; fails with the server's stderr if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1]
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("the server did not become ready")
+
+
 def probe_livez(url: str, count: int = 100) -> list[float]:
     """Seconds of ``count`` /livez calls, 10 ms apart, made from a process of their own: the
     test's threads that load the server do not delay them."""
@@ -107,24 +127,13 @@ class ServerProcess:
     server's alone, not shared (one GIL) with the threads of the test that loads it."""
 
     def __init__(self, model_dir: Path) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "server.cli", "serve", str(model_dir),
                    "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "64MiB",
                    "--no-compile", "--num-threads", "1", "--log-level", "warning"]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.process.poll() is None, self.process.communicate()[1].decode()[-3000:]
-            assert time.monotonic() < deadline, "the server was not ready in 120 s"
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_ready(self.url, self.process)
 
     def num_running(self) -> float:
         metrics = httpx.get(self.url + "/metrics").text

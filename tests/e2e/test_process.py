@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,27 +14,10 @@ from pathlib import Path
 
 import httpx
 
+from tests.e2e.conftest import free_port, wait_ready
+
 PYTHON = sys.executable
 SPLITFUSE = [PYTHON, "-m", "server.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_ready(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[1]
-        try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError("the server did not become ready")
 
 
 def _serve(model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
@@ -46,11 +28,11 @@ def _serve(model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_llama_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = _serve(tiny_llama_dir, port, "--drain-timeout", "60")
     try:
-        _wait_ready(url, process)
+        wait_ready(url, process)
         started = threading.Event()
         lines: list[str] = []
 
@@ -84,7 +66,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_llama_dir: Path) -> 
 
 
 def test_engine_failure_exits_non_zero(tiny_llama_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     script = Path(__file__).with_name("failing_server.py")
     root = str(Path(__file__).parents[2])
@@ -96,7 +78,7 @@ def test_engine_failure_exits_non_zero(tiny_llama_dir: Path) -> None:
         env=env,
     )
     try:
-        _wait_ready(url, process)
+        wait_ready(url, process)
         response = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 20})
         assert response.status_code == 500
         message = response.json()["error"]["message"]
