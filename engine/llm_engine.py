@@ -25,6 +25,7 @@ from engine.executor import ExecutorFailedError, start_executor
 from engine.model_config import ModelConfig
 from engine.model_resolver import resolve_model
 from engine.outputs import RequestOutput
+from engine.structured_output import GrammarTokenizer
 from engine.tensor_parallel.sharding import check_tensor_parallel
 from kv_cache import KVCacheManager
 from scheduler.batch import BatchRow, ScheduledBatch
@@ -84,6 +85,10 @@ class LLMEngine:
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys(model_config.eos_token_ids + tokenizer_eos)
         )
+        # Structured outputs' grammars read the tokenizer's tokens as llguidance sees them.
+        self.grammar_tokenizer = GrammarTokenizer(
+            self.tokenizer, model_config.vocab_size, self.eos_token_ids
+        )
         blocks_per_seq = -(-max_model_len // config.block_size)
         runner_kwargs = dict(
             model_dir=model_dir,
@@ -103,6 +108,7 @@ class LLMEngine:
             config.tensor_parallel_size, runner_kwargs, config.num_threads
         )
         self.runner = self.executor.runner
+        self.runner.sampler.enable_structured_output(self.grammar_tokenizer)  # rank 0 samples
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.kv_manager = KVCacheManager(
             self.num_kv_blocks,
@@ -126,7 +132,8 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queues a request. Raises ValueError (changing nothing) on an empty prompt, a token id
-        outside the vocabulary, a prompt too long for max_model_len, or an id in use."""
+        outside the vocabulary, a prompt too long for max_model_len, an id in use, or a
+        structured output the engine cannot run (GrammarError)."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         if not prompt_token_ids:
@@ -141,6 +148,8 @@ class LLMEngine:
         ):
             if any(t >= vocab_size for t in token_ids):
                 raise ValueError(f"{name} holds token ids >= the vocabulary size {vocab_size}")
+        if sampling_params.structured is not None:
+            self.grammar_tokenizer.check(sampling_params.structured)
         request = Request(
             request_id,
             list(prompt_token_ids),
@@ -183,10 +192,19 @@ class LLMEngine:
         try:
             sampled = self.executor.execute(batch)
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
+            dead_ends = {
+                batch.sample_request_ids[row]: message for row, message in sampled.dead_ends.items()
+            }
         except ExecutorFailedError:
             raise  # e.g. a tensor-parallel rank is gone: no later step can run
         except Exception:  # noqa: BLE001 - the step must survive and report it
-            token_ids, logprobs, failed = self._isolate_failures(batch)
+            token_ids, logprobs, failed, dead_ends = self._isolate_failures(batch)
+        for request_id, message in dead_ends.items():
+            # its token is not appended: update() skips aborted requests
+            request = self.scheduler.abort(request_id, RequestStatus.FINISHED_GRAMMAR_ERROR)
+            if request is not None:
+                failed.append(_output(request, [], None, error=message))
+        self.executor.drop_requests(list(dead_ends))
         requests = self.scheduler.update(batch, token_ids)
         outputs = failed
         # update() skips requests aborted since schedule(), so pair tokens by request id.
@@ -203,11 +221,12 @@ class LLMEngine:
 
     def _isolate_failures(
         self, batch: ScheduledBatch
-    ) -> tuple[list[int], list, list[RequestOutput]]:
+    ) -> tuple[list[int], list, list[RequestOutput], dict[str, str]]:
         """After ``batch`` failed: re-runs its rows in halves, splitting every part that fails
         again, until each failure is one row. Returns a token and logprob per sampling row (-1 and
-        None for failed rows) and the failed requests' final outputs; they are aborted, so
-        ``update`` skips them. A failure that is no request's (every row fails alone) fails all."""
+        None for failed rows), the failed requests' final outputs (they are aborted, so
+        ``update`` skips them) and the dead ends of structured outputs met in the parts. A
+        failure that is no request's (every row fails alone) fails all."""
         error_id = uuid.uuid4().hex[:12]
         logger.exception(
             "a step of %d tokens (%d requests) failed (error id %s); re-running its rows in "
@@ -220,6 +239,7 @@ class LLMEngine:
         # the failed pass may have set up some new requests' sampling state: start them afresh
         self.executor.drop_requests(list(new_requests))
         sampled: dict[str, tuple[int, object]] = {}
+        dead_ends: dict[str, str] = {}
         culprits: list[str] = []
         # one row: the failed pass was already its own
         parts = _halves(batch.rows) if batch.num_rows > 1 else []
@@ -255,6 +275,8 @@ class LLMEngine:
                 part.sample_request_ids, result.token_ids, result.logprobs, strict=True
             ):
                 sampled[request_id] = (token_id, logprob)
+            for row, why in result.dead_ends.items():
+                dead_ends[part.sample_request_ids[row]] = why
         message = f"the engine failed on this request (error id {error_id})"
         failed = []
         for request_id in culprits:
@@ -265,7 +287,8 @@ class LLMEngine:
         if culprits:
             logger.error("error id %s: failed requests %s", error_id, ", ".join(culprits))
         results = [sampled.get(i, (-1, None)) for i in batch.sample_request_ids]
-        return [token_id for token_id, _ in results], [logprob for _, logprob in results], failed
+        token_ids = [token_id for token_id, _ in results]
+        return token_ids, [logprob for _, logprob in results], failed, dead_ends
 
     def add_fatal_listener(self, listener: Callable[[str], None]) -> None:
         """``listener(message)`` is called (from another thread) if the engine can no longer run,

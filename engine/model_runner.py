@@ -145,6 +145,8 @@ class ModelRunner:
             self.sampler.add_request(new_request)
         if batch.is_empty:
             return SamplerOutput(token_ids=[], logprobs=[])
+        # structured outputs: their grammar masks are filled while the forward pass runs
+        self.sampler.start_masks(batch.sample_request_ids)
         logits = self.forward(batch)
         return self.sampler.sample(logits, batch.sample_request_ids)
 

@@ -2,7 +2,11 @@
 
 For the rows that need each step (the other rows pass through untouched), in this order:
 
-    logit_bias -> min_tokens mask -> penalties -> temperature -> top-k -> top-p -> min-p -> sample
+    grammar mask -> logit_bias -> min_tokens mask -> penalties -> temperature -> top-k -> top-p
+    -> min-p -> sample -> the grammar consumes the token
+
+The grammar mask is that of a request's structured output (``engine/structured_output.py``):
+``start_masks`` begins filling the masks before the forward pass, ``sample`` applies them.
 
 Greedy rows (temperature 0) take the argmax after bias, mask and penalties; a batch of plain greedy
 rows is a single argmax. Random rows sample by inverse CDF with one uniform number per row and
@@ -16,7 +20,7 @@ are of the raw logits. Each ``sample`` call makes exactly one device-to-host tra
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +31,7 @@ from engine.logits_processors import (
     sample_from_probs,
 )
 from engine.outputs import TokenLogprob
+from engine.structured_output import GrammarTokenizer, Matchers, apply_bitmask
 from scheduler.batch import NewRequestData
 from scheduler.sampling_params import SamplingParams
 
@@ -54,6 +59,8 @@ class InvalidTokenIdError(SamplerError, ValueError):
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[TokenLogprob | None]  # None where the request asked for no logprobs
+    # Rows whose structured output reached a dead end -> why; their token is not to be used.
+    dead_ends: dict[int, str] = field(default_factory=dict)
 
 
 def validate_token_ids(data: NewRequestData, vocab_size: int) -> None:
@@ -175,6 +182,17 @@ class Sampler:
             self.generator.manual_seed(seed)
         self._requests: dict[str, _RequestState] = {}
         self._penalties = _PenaltyTables(vocab_size, self.device)
+        self.matchers: Matchers | None = None  # set by enable_structured_output
+
+    def enable_structured_output(self, tokenizer: GrammarTokenizer) -> None:
+        """Lets requests with a structured output be added (the tokenizer's vocabulary is the
+        logits')."""
+        if tokenizer.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"the grammar tokenizer has {tokenizer.vocab_size} tokens, the logits "
+                f"{self.vocab_size}"
+            )
+        self.matchers = Matchers(tokenizer)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -187,6 +205,10 @@ class Sampler:
             raise DuplicateRequestError(f"request {data.request_id!r} was already added")
         validate_token_ids(data, self.vocab_size)
         params = data.sampling_params
+        if params.structured is not None:
+            if self.matchers is None:
+                raise SamplerError("structured outputs are not enabled on this sampler")
+            self.matchers.add(data.request_id, params.structured)  # GrammarError: nothing added
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -217,6 +239,14 @@ class Sampler:
             state = self._requests.pop(request_id, None)
             if state is not None and state.penalty_slot is not None:
                 self._penalties.free(state.penalty_slot)
+            if self.matchers is not None:
+                self.matchers.remove(request_id)
+
+    def start_masks(self, request_ids: list[str]) -> None:
+        """Begins filling the grammar masks of the rows that have a structured output (they are
+        computed while the caller runs the forward pass); a no-op when none has."""
+        if self.matchers:
+            self.matchers.start(request_ids)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str]) -> SamplerOutput:
         """logits [num_rows, vocab_size], row i for ``request_ids[i]``; returns a token per row."""
@@ -224,15 +254,29 @@ class Sampler:
         if not states:
             return SamplerOutput(token_ids=[], logprobs=[])
         logits = logits.float()
+        masks = self.matchers.finish(request_ids) if self.matchers else None
+        allowed = logits  # logprobs stay those of the raw logits
+        if masks is not None:
+            allowed = logits.clone()
+            rows = self._rows(masks.rows, states)
+            apply_bitmask(allowed, rows, masks.bitmask)
         if all(state.plain_greedy for state in states):
-            token_ids = logits.argmax(dim=-1)  # [num_rows]
+            token_ids = allowed.argmax(dim=-1)  # [num_rows]
         else:
-            token_ids = self._sample_processed(logits, states)
+            token_ids = self._sample_processed(allowed, states)
         penalty_rows = [i for i, state in enumerate(states) if state.penalty_slot is not None]
         if penalty_rows:
             slots = [states[i].penalty_slot for i in penalty_rows]
             self._penalties.record(self._ids(slots), token_ids[self._rows(penalty_rows, states)])
         output = self._to_host(logits, token_ids, states)
+        if masks is not None:
+            output.dead_ends = masks.dead_ends
+            assert self.matchers is not None
+            for row in masks.rows:
+                if row not in masks.dead_ends:
+                    error = self.matchers.accept(request_ids[row], output.token_ids[row])
+                    if error is not None:
+                        output.dead_ends[row] = error
         for state in states:
             state.num_output_tokens += 1
         return output

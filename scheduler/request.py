@@ -20,6 +20,8 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    # The request's structured output reached a state its grammar cannot leave (a dead end).
+    FINISHED_GRAMMAR_ERROR = "grammar_error"
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,29 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 300
 
+# What a structured output's ``spec`` holds, by ``kind``: JSON text of a JSON Schema (json_schema),
+# a regular expression (regex), a JSON list of strings (choice), a Lark or GBNF grammar (grammar).
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's whole output: the text must match ``spec`` (see
+    STRUCTURED_OUTPUT_KINDS), and the request ends on its end-of-sequence token once it does.
+    The engine compiles it into a grammar (``engine/structured_output.py``)."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise ValueError(
+                f"structured output kind must be one of {STRUCTURED_OUTPUT_KINDS}, "
+                f"got {self.kind!r}"
+            )
+        if not isinstance(self.spec, str) or not self.spec:
+            raise ValueError("structured output spec must be a non-empty string")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -37,6 +60,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Lists from JSON become tuples so that the object stays immutable and hashable fields.
@@ -92,6 +116,12 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             fail("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured is not None:
+            # The grammar ends on EOS: it must stay allowed, and it must end the request.
+            if self.min_tokens > 0:
+                fail("min_tokens", "cannot be combined with a structured output")
+            if self.ignore_eos:
+                fail("ignore_eos", "cannot be combined with a structured output")
         if any(not s for s in self.stop):
             fail("stop", "must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
