@@ -39,9 +39,13 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         group_id: str | None = None,
+        priority: int = 0,
+        tenant: str = "",
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        if type(priority) is not int:
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
@@ -54,12 +58,18 @@ class Request:
         # Requests of one group (the n sequences of one API call) share a prompt: the scheduler
         # admits the siblings once the first has cached the prompt's full blocks.
         self.group_id = group_id
+        # Lower runs first under the scheduler's ``priority`` policy (0 by default, as in vLLM).
+        self.priority = priority
+        # Who asked for it: fair sharing splits each step's prompt tokens between tenants.
+        self.tenant = tenant
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         # Tokens of the prompt found in the prefix cache at first admission (for usage reporting).
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # Of those, preemptions in favour of a waiting request of higher priority.
+        self.num_priority_preemptions = 0
         self.status = RequestStatus.WAITING
         # The token that ended the request (an EOS or a stop_token_id), if any.
         self.stop_token_id: int | None = None
