@@ -22,7 +22,9 @@ from server.serving import (
     streaming_response,
     usage,
 )
+from server.structured import requested_structured_output, with_finish_message
 from server.tokens import TokenText
+from server.tools import ToolDeltas, check_tool_schemas, prompt_messages, reply_message, tool_plan
 
 
 def chat_logprobs(token_text: TokenText, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
@@ -53,12 +55,18 @@ async def create_chat_completion(request: Request) -> Response:
     token_text = state.check_accepting()
     state.check_model(body.model)
     state.check_num_sequences(1, body.n)
+    plan = tool_plan(body, getattr(token_text.tokenizer, "chat_template", None))
+    structured = await state.off_loop(_check_structured, body, plan, state)
+    messages, tools = prompt_messages(
+        plan, body.template_messages(plan.tool_format if plan else "json")
+    )
     try:
         prompt_ids = await state.off_loop(
             token_text.apply_chat_template,
-            body.template_messages(),
+            messages,
             body.add_generation_prompt,
             body.continue_final_message,
+            tools,
         )
     except APIError:
         raise
@@ -75,7 +83,7 @@ async def create_chat_completion(request: Request) -> Response:
     state.check_context(len(prompt_ids), max_tokens, param=max_tokens_param)
     num_logprobs = body.num_logprobs
     params = build_params(
-        lambda: body.sampling_params(max_tokens, num_logprobs, token_text.vocab_size)
+        lambda: body.sampling_params(max_tokens, num_logprobs, token_text.vocab_size, structured)
     )
     generation, first = await state.start(request, "chatcmpl", [prompt_ids], body.n, params)
     base = {"id": generation.request_id, "created": int(time.time()), "model": state.model_name,
@@ -90,18 +98,14 @@ async def create_chat_completion(request: Request) -> Response:
             if num_logprobs is not None:
                 merged = [lp for d in deltas for lp in (d.logprobs or [])]
                 logprobs = {"content": chat_logprobs(token_text, merged), "refusal": None}
-            choices.append(
-                {
-                    "index": index,
-                    "message": {
-                        "role": "assistant",
-                        "content": "".join(d.text for d in deltas),
-                        "refusal": None,
-                    },
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason_of(deltas),
-                }
-            )
+            text = "".join(d.text for d in deltas)
+            finish_reason = finish_reason_of(deltas)
+            message = {"role": "assistant", "content": text, "refusal": None}
+            if plan is not None:
+                message, finish_reason = reply_message(plan, text, finish_reason)
+            choice = {"index": index, "message": message, "logprobs": logprobs,
+                      "finish_reason": finish_reason}  # fmt: skip
+            choices.append(with_finish_message(choice, deltas))
         payload = {
             **base,
             "object": "chat.completion",
@@ -137,27 +141,66 @@ async def create_chat_completion(request: Request) -> Response:
         for i in range(body.n)
     ]
 
+    tool_deltas = {i: ToolDeltas(plan) for i in range(body.n)} if plan is not None else {}
+
     def make_chunks(deltas: list[ChoiceDelta]) -> list[dict[str, Any]]:
         chunks = []
         while role_chunks:
             chunks.append(role_chunks.pop(0))
         for delta in deltas:
+            if tool_deltas:
+                chunks += tool_chunks(delta)
+                continue
             if not delta.text and delta.finish_reason is None and num_logprobs is None:
                 continue  # a character still incomplete
             logprobs = None
             if num_logprobs is not None and delta.logprobs is not None:
                 logprobs = {"content": chat_logprobs(token_text, delta.logprobs), "refusal": None}
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-            chunks.append(
-                chunk(
-                    {
-                        "index": delta.index,
-                        "delta": content,
-                        "logprobs": logprobs,
-                        "finish_reason": delta.finish_reason,
-                    }
-                )
-            )
+            choice = {"index": delta.index, "delta": content, "logprobs": logprobs,
+                      "finish_reason": delta.finish_reason}  # fmt: skip
+            chunks.append(chunk(with_finish_message(choice, [delta])))
         return chunks
 
+    def tool_chunks(delta: ChoiceDelta) -> list[dict[str, Any]]:
+        """The delta through its choice's tool-call parser: content, call names and argument
+        fragments; the last chunk carries the finish reason (and the logprobs, if asked)."""
+        parser = tool_deltas[delta.index]
+        pieces = parser.feed(delta.text, delta.finish_reason is not None)
+        logprobs = None
+        if num_logprobs is not None and delta.logprobs is not None:
+            logprobs = {"content": chat_logprobs(token_text, delta.logprobs), "refusal": None}
+        if not pieces and delta.finish_reason is None and logprobs is None:
+            return []
+        pieces = pieces or [{}]
+        out = []
+        for number, piece in enumerate(pieces):
+            last = number == len(pieces) - 1
+            choice = {"index": delta.index, "delta": piece, "logprobs": None,
+                      "finish_reason": None}  # fmt: skip
+            if last:
+                choice["logprobs"] = logprobs
+                choice["finish_reason"] = parser.finish_reason(delta.finish_reason)
+                choice = with_finish_message(choice, [delta])
+            out.append(chunk(choice))
+        return out
+
     return streaming_response(generation, first, make_chunks, chunk_base if include_usage else None)
+
+
+def _check_structured(body: ChatCompletionRequest, plan: Any, state: ServerState) -> Any:
+    """The structured output the reply must follow (a forced tool call's, or the body's), each
+    grammar checked: a 400 naming the param otherwise. On a preparation thread."""
+    check_tool_schemas(body.tools, body.functions, state.grammar_tokenizer)
+    requested = requested_structured_output(body, state.grammar_tokenizer)
+    forced = plan.structured_output() if plan is not None else None
+    if forced is None:
+        return requested
+    if requested is not None:
+        raise APIError(
+            400,
+            "a structured output cannot be combined with a tool_choice that forces a call",
+            param="response_format",
+            code="invalid_value",
+        )
+    return forced

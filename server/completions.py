@@ -22,6 +22,7 @@ from server.serving import (
     streaming_response,
     usage,
 )
+from server.structured import requested_structured_output, with_finish_message
 from server.tokens import TokenText
 
 
@@ -92,11 +93,12 @@ async def create_completion(request: Request) -> Response:
     state.check_model(body.model)
     state.check_num_sequences(body.num_prompts, body.n)  # before tokenizing the prompts
     prompts, prompt_texts = await state.off_loop(_prompts, body, token_text)
+    structured = await state.off_loop(requested_structured_output, body, state.grammar_tokenizer)
     max_tokens = body.max_tokens or 16
     for ids in prompts:
         state.check_context(len(ids), max_tokens, param="max_tokens")
     params = build_params(
-        lambda: body.sampling_params(max_tokens, body.logprobs, token_text.vocab_size)
+        lambda: body.sampling_params(max_tokens, body.logprobs, token_text.vocab_size, structured)
     )
     generation, first = await state.start(request, "cmpl", prompts, body.n, params)
     created = int(time.time())
@@ -124,14 +126,13 @@ async def create_completion(request: Request) -> Response:
             if body.logprobs is not None:
                 merged = [lp for d in deltas for lp in (d.logprobs or [])]
                 logprobs = builders[index].build(merged)
-            choices.append(
-                {
-                    "index": index,
-                    "text": echo_texts[index] + "".join(d.text for d in deltas),
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason_of(deltas),
-                }
-            )
+            choice = {
+                "index": index,
+                "text": echo_texts[index] + "".join(d.text for d in deltas),
+                "logprobs": logprobs,
+                "finish_reason": finish_reason_of(deltas),
+            }
+            choices.append(with_finish_message(choice, deltas))
         payload = {
             **base,
             "choices": choices,
@@ -159,7 +160,7 @@ async def create_completion(request: Request) -> Response:
                 "logprobs": logprobs_of(delta),
                 "finish_reason": delta.finish_reason,
             }
-            chunk: dict[str, Any] = {**base, "choices": [choice]}
+            chunk: dict[str, Any] = {**base, "choices": [with_finish_message(choice, [delta])]}
             if include_usage:
                 chunk["usage"] = (
                     usage(generation.num_prompt_tokens, generation.num_output_tokens)

@@ -42,6 +42,8 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None
+    # Why a structured output ended on a dead end (finish_reason "grammar_error").
+    finish_message: str | None = None
 
 
 @dataclass
@@ -168,6 +170,7 @@ class Generation:
             token_ids=new_token_ids,
             logprobs=list(output.new_logprobs) if output.new_logprobs is not None else None,
             finish_reason=finish_reason,
+            finish_message=output.error if finish_reason == "grammar_error" else None,
         )
 
     def _finish(self, choice: _Choice, finish_reason: str, now: float) -> None:

@@ -1,8 +1,9 @@
 """OpenAI request bodies (validated) and the helpers that turn them into ``SamplingParams``.
 
 Unknown fields are rejected (400 naming the field); fields of features we do not implement yet
-(tools, structured output, images, audio) are accepted by the schema only to be rejected with a
-message that says so, never silently ignored.
+(images, audio) are accepted by the schema only to be rejected with a message that says so, never
+silently ignored. Structured outputs are ``server/structured.py``'s fields, tools
+``server/tools.py``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,18 @@ from pydantic import (
     model_validator,
 )
 
-from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from server.structured import StructuredFields
+from server.tools import (
+    FunctionCall,
+    FunctionCallChoice,
+    FunctionDefinition,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    generic_call_text,
+    parsed_arguments,
+)
 
 
 class UnsupportedFeature(ValueError):
@@ -43,7 +55,7 @@ class StreamOptions(_Body):
 MAX_STOP_STRING_CHARS = 256
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_Body, StructuredFields):
     """Fields shared by both endpoints."""
 
     model: str | None = None
@@ -99,7 +111,11 @@ class _SamplingFields(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, vocab_size: int
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        vocab_size: int,
+        structured: StructuredOutput | None = None,
     ) -> SamplingParams:
         """Raises ValueError naming the field (SamplingParams' own checks)."""
         logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
@@ -127,6 +143,7 @@ class _SamplingFields(_Body):
             ),
             logit_bias=logit_bias,
             logprobs=logprobs,
+            structured=structured,
         )
 
 
@@ -214,15 +231,10 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-    function_call: Any | None = None
+    function_call: FunctionCall | None = None
     refusal: str | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -231,12 +243,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None
-    function_call: Any | None = None
+    functions: list[FunctionDefinition] | None = None
+    function_call: FunctionCallChoice | None = None
     modalities: list[str] | None = None
     audio: Any | None = None
     add_generation_prompt: bool = True
@@ -257,23 +268,20 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def check_supported(self) -> None:
-        if self.tools or self.functions:
-            raise UnsupportedFeature("tools", "tool and function calling is not supported")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise UnsupportedFeature("tool_choice", "tool and function calling is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedFeature(
-                "response_format",
-                f"response_format {self.response_format.type!r} is not supported (only 'text')",
-            )
         if self.modalities not in (None, ["text"]) or self.audio is not None:
             raise UnsupportedFeature("modalities", "only text output is supported")
         for index, message in enumerate(self.messages):
             where = f"messages.{index}"
-            if message.role in ("tool", "function") or message.tool_calls or message.function_call:
+            if (message.tool_calls or message.function_call) and message.role != "assistant":
                 raise UnsupportedFeature(
-                    f"{where}.role", "tool and function calling is not supported"
+                    f"{where}.tool_calls", "only assistant messages carry tool calls"
                 )
+            if message.role == "tool" and not message.tool_call_id:
+                raise UnsupportedFeature(
+                    f"{where}.tool_call_id", "a tool message needs the tool_call_id it answers"
+                )
+            if message.role == "function" and not message.name:
+                raise UnsupportedFeature(f"{where}.name", "a function message needs its name")
             if isinstance(message.content, list):
                 for part in message.content:
                     if isinstance(part, OtherPart):
@@ -289,22 +297,57 @@ class ChatCompletionRequest(_SamplingFields):
                 "continue_final_message needs add_generation_prompt to be false",
             )
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return template_messages(self.messages)
+    def template_messages(self, tool_format: str = "json") -> list[dict[str, Any]]:
+        return template_messages(self.messages, tool_format)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as chat-template dicts: text parts joined, ``developer`` as ``system``."""
-    out = []
+def template_messages(
+    messages: list[ChatMessage], tool_format: str = "json"
+) -> list[dict[str, Any]]:
+    """Messages as chat-template dicts: text parts joined, ``developer`` as ``system``. Tool
+    calls and results: as templates with tools take them (``hermes``), or in the generic format
+    (``json``: calls as their JSON text, results as user messages; see server/tools.py)."""
+    out: list[dict[str, Any]] = []
+    call_names: dict[str, str] = {}  # tool_call_id -> function name, from earlier calls
     for message in messages:
         if isinstance(message.content, list):
             text = "".join(part.text for part in message.content if isinstance(part, TextPart))
         else:
             text = message.content or ""
         role = "system" if message.role == "developer" else message.role
-        item = {"role": role, "content": text}
+        calls = list(message.tool_calls or [])
+        if message.function_call is not None:
+            calls.append(ToolCall(id=f"call_{len(call_names)}", function=message.function_call))
+        for call in calls:
+            call_names[call.id] = call.function.name
+        item: dict[str, Any] = {"role": role, "content": text}
         if message.name:
             item["name"] = message.name
+        if role in ("tool", "function"):
+            name = (
+                message.name if role == "function" else call_names.get(message.tool_call_id or "")
+            )
+            if tool_format == "hermes":
+                item = {"role": "tool", "content": text, "tool_call_id": message.tool_call_id}
+                if name:
+                    item["name"] = name
+            else:
+                label = f"{message.tool_call_id} ({name})" if role == "tool" else f"({name})"
+                item = {"role": "user", "content": f"Result of the tool call {label}:\n{text}"}
+        elif calls and tool_format == "hermes":
+            item["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": parsed_arguments(call.function.arguments),
+                    },
+                }
+                for call in calls
+            ]
+        elif calls:
+            item["content"] = (text + "\n" if text else "") + generic_call_text(calls)
         out.append(item)
     return out
 

@@ -26,6 +26,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
+from engine.structured_output import GrammarTokenizer
 from scheduler.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
@@ -64,6 +65,7 @@ class ServerState:
         self.num_queued = 0
         self.num_active = 0  # generation HTTP requests not yet answered in full
         self.token_text: TokenText | None = None
+        self.grammar_tokenizer: GrammarTokenizer | None = None
         self.model_name = config.served_model_name or ""
         self.max_model_len = 0
         self.created = int(time.time())
@@ -101,6 +103,7 @@ class ServerState:
         gc.collect()
         gc.freeze()
         self.token_text = TokenText(engine.tokenizer, engine.max_model_len)
+        self.grammar_tokenizer = engine.grammar_tokenizer  # checks structured outputs
         self.model_name = self.config.served_model_name or engine.model_name
         self.max_model_len = engine.max_model_len
 

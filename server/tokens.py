@@ -71,11 +71,13 @@ class TokenText:
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Renders the model's chat template, then encodes it (the template adds specials)."""
+        """Renders the model's chat template (with ``tools`` for templates that render them),
+        then encodes it (the template adds specials)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
         rendered = self.tokenizer.apply_chat_template(
@@ -83,6 +85,7 @@ class TokenText:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
         )
         return self.encode(rendered, add_special_tokens=False, param="messages")
 

@@ -103,8 +103,16 @@ def test_completion_400s(tiny_server: ServerThread, body: dict, param: str | Non
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
+            "tools.0.function.parameters",
+            "not",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+            "response_format.json_schema.schema",
+            "x",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "tool"),
         (
             {
