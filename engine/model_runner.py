@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from engine.config import QuantizationConfig
+from engine.gguf_quantized import read_quantized_file
 from engine.input_builder import ModelInput, build_model_input
 from engine.kv_cache_memory import (
     allocate_kv_cache,
@@ -22,6 +24,7 @@ from engine.layers import MatmulLayer
 from engine.model_config import ModelConfig
 from engine.models import MODEL_CLASSES
 from engine.parallel import SINGLE_PROCESS, ParallelContext
+from engine.quantization import quantize_model
 from engine.sampler import Sampler, SamplerOutput
 from engine.step_graphs import StepGraphs, compile_unsupported
 from engine.tensor_parallel.sharding import shard_heads
@@ -51,7 +54,9 @@ class ModelRunner:
         seed: int,
         parallel: ParallelContext = SINGLE_PROCESS,
         compile: bool = False,
+        quantization: QuantizationConfig | None = None,
     ) -> None:
+        """``quantization``: resolved (none, int8 or int4; see ``resolve_quantization``)."""
         self.model_config = model_config
         self.dtype = dtype
         self.device = device
@@ -71,6 +76,7 @@ class ModelRunner:
             )
         self.model.load_weights(iterate_weights(model_dir))
         self.model.eval()
+        self.quantization_counts: dict[str, int] = {}  # what quantize_model did, if it ran
         logger.info(
             "loaded %s (%s, %s) in %.1f s",
             model_dir.name,
@@ -78,6 +84,8 @@ class ModelRunner:
             str(dtype).removeprefix("torch."),
             time.perf_counter() - start,
         )
+        if quantization is not None and quantization.bits:
+            self._quantize(model_dir, quantization)
 
         num_kv_heads = shard_heads(
             model_config.num_heads, model_config.num_kv_heads, parallel.rank, parallel.world_size
@@ -117,6 +125,31 @@ class ModelRunner:
         self.graphs = StepGraphs(self.model, compile, unsupported)
         self.graphs.start(self._dummy_step)
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)
+
+    def _quantize(self, model_dir: Path, quantization: QuantizationConfig) -> None:
+        from kernels.quant_cpu import load as load_quantized_product
+
+        start = time.perf_counter()
+        kind = load_quantized_product()
+        self.quantization_counts = counts = quantize_model(
+            self.model,
+            quantization.bits,
+            quantization.group_size,
+            quantization.embeddings == "int8",
+            read_quantized_file(model_dir),
+        )
+        logger.info(
+            "weights in %s: %d as stored in the folder, %d quantized here, %d kept in %s "
+            "(%.1f MiB quantized; products run with %s) in %.1f s",
+            quantization.method,
+            counts["stored"],
+            counts["quantized"],
+            counts["kept"],
+            str(self.dtype).removeprefix("torch."),
+            counts["bytes"] / 2**20,
+            kind,
+            time.perf_counter() - start,
+        )
 
     def _dummy_step(self, num_tokens: int) -> tuple:
         """The forward's arguments for a step of ``num_tokens`` prompt tokens over a scratch KV

@@ -19,6 +19,8 @@ from typing import Any
 from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
+# quantized weights kept beside the float ones (engine/gguf_quantized.py), read on their own
+QUANTIZED_FILE = "quantized.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -40,7 +42,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         if missing:
             raise WeightsError(f"{INDEX_FILE} lists missing shards: {', '.join(missing)}")
         return files
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(path for path in model_dir.glob("*.safetensors") if path.name != QUANTIZED_FILE)
     if files:
         return files
     pickled = sorted(path.name for path in model_dir.iterdir() if path.suffix in PICKLE_SUFFIXES)

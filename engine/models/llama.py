@@ -264,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for checkpoint_name, tensor in weights:
-            name, shard_id = self._param_name(checkpoint_name)
+            name, shard_id = self.param_name(checkpoint_name)
             if name is None:
                 continue
             if name not in params:
@@ -282,7 +282,8 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(missing[:8])}")
 
-    def _param_name(self, checkpoint_name: str) -> tuple[str | None, int]:
+    def param_name(self, checkpoint_name: str) -> tuple[str | None, int]:
+        """A checkpoint name's parameter here and its part in a fused layer; None: not kept."""
         if "rotary_emb.inv_freq" in checkpoint_name:
             return None, 0
         name = checkpoint_name

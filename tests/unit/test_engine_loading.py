@@ -282,6 +282,7 @@ def test_prepare_is_idempotent_and_atomic(tmp_path, monkeypatch) -> None:
         (out_dir / "config.json").write_text(json.dumps({"n": len(calls)}))
 
     monkeypatch.setattr(resolver, "convert_gguf", fake_convert)
+    monkeypatch.setattr(resolver, "write_quantized_file", lambda source, out_dir: False)
     target = resolver.prepare_model(gguf)
     assert target == tmp_path / "cache" / "models" / DEFAULT_MODEL
     assert resolver.prepare_model(gguf) == target and len(calls) == 1

@@ -1,0 +1,305 @@
+"""Weight-only quantized weights: the layouts, quantizing float weights, and the PyTorch
+reference for dequantizing them.
+
+A weight [N, K] is cut into groups of ``group_size`` values along K (32, 64, 128, or K itself:
+one group per output channel). Per group, float16 ``scales`` (and for 4 bits ``mins``), both
+[N, K / group_size]:
+
+    4 bits, asymmetric: q in [0, 15],     w = scale * q + min   (GGUF Q4_1; Q4_0: min = -8 scale)
+    8 bits, symmetric:  q in [-127, 127], w = scale * q         (GGUF Q8_0)
+
+4-bit values are packed two per byte, 16 bytes per run of 32 values, as GGUF stores them: byte
+j of a run holds value j in its low nibble and value j + 16 in its high nibble.
+
+    run values  0  1 ... 15 | 16 17 ... 31
+    byte j      low nibble  | high nibble     ->  qweight [N, K / 2] uint8
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.config import QuantizationConfig
+
+RUN = 32  # values per packed run; every group is a whole number of runs
+
+
+def pack_4bit(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integers in [0, 15] -> [N, K / 2] uint8 in the run layout above."""
+    num_rows, num_cols = q.shape
+    runs = q.to(torch.uint8).reshape(num_rows, num_cols // RUN, 2, RUN // 2)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(num_rows, num_cols // 2)
+
+
+def unpack_4bit(qweight: torch.Tensor) -> torch.Tensor:
+    """[N, K / 2] uint8 -> [N, K] uint8 values in [0, 15] (inverse of ``pack_4bit``)."""
+    num_rows, num_bytes = qweight.shape
+    runs = qweight.reshape(num_rows, num_bytes // (RUN // 2), 1, RUN // 2)
+    return torch.cat([runs & 15, runs >> 4], dim=2).reshape(num_rows, num_bytes * 2)
+
+
+def dequantize_groups(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """The float32 weight [N, K] the quantized one stands for (the reference every kernel is tested
+    against)."""
+    q = unpack_4bit(qweight) if bits == 4 else qweight
+    num_rows, num_cols = q.shape
+    grouped = q.float().reshape(num_rows, num_cols // group_size, group_size)
+    weight = grouped * scales.float()[:, :, None]
+    if mins is not None:
+        weight = weight + mins.float()[:, :, None]
+    return weight.reshape(num_rows, num_cols)
+
+
+@dataclass
+class QuantizedTensor:
+    """A quantized weight [N, K]. Indexing keeps it quantized: ``t[a:b]`` takes output rows,
+    ``t[:, a:b]`` input columns on group boundaries (tensor-parallel shards: a group never
+    straddles two ranks)."""
+
+    qweight: torch.Tensor  # [N, K / 2] uint8 (4 bits) or [N, K] int8 (8 bits)
+    scales: torch.Tensor  # [N, K / group_size] float16
+    mins: torch.Tensor | None  # [N, K / group_size] float16, 4 bits only
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[0], self.qweight.shape[1] * (8 // self.bits)
+
+    def get_shape(self) -> tuple[int, int]:
+        return self.shape
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.qweight, self.scales] + ([self.mins] if self.mins is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def __getitem__(self, index: object) -> QuantizedTensor:
+        if isinstance(index, slice):
+            return self._map(lambda t: t[index], rows=True)
+        if (
+            isinstance(index, tuple)
+            and len(index) == 2
+            and index[0] == slice(None)
+            and isinstance(index[1], slice)
+        ):
+            start, stop, step = index[1].indices(self.shape[1])
+            if step != 1 or start % self.group_size or (stop - start) % self.group_size:
+                raise ValueError(
+                    f"columns {start}:{stop} cut a group of {self.group_size}: a shard of a "
+                    "quantized weight must hold whole groups"
+                )
+            per_byte = 8 // self.bits
+            groups = slice(start // self.group_size, stop // self.group_size)
+            return QuantizedTensor(
+                self.qweight[:, start // per_byte : stop // per_byte],
+                self.scales[:, groups],
+                None if self.mins is None else self.mins[:, groups],
+                self.bits,
+                self.group_size,
+            )
+        raise TypeError(f"a QuantizedTensor is indexed by rows or by columns, not {index!r}")
+
+    def _map(self, fn, rows: bool) -> QuantizedTensor:  # type: ignore[no-untyped-def]
+        return QuantizedTensor(
+            fn(self.qweight),
+            fn(self.scales),
+            None if self.mins is None else fn(self.mins),
+            self.bits,
+            self.group_size,
+        )
+
+    def take_rows(self, rows: torch.Tensor) -> QuantizedTensor:
+        """The output rows ``rows`` (an index tensor), in that order."""
+        return self._map(lambda t: t[rows], rows=True)
+
+    def contiguous(self) -> QuantizedTensor:
+        return self._map(lambda t: t.contiguous(), rows=True)
+
+    def copy_(self, other: QuantizedTensor) -> None:
+        if (other.bits, other.group_size) != (self.bits, self.group_size):
+            raise ValueError(
+                f"a {other.bits}-bit weight in groups of {other.group_size} cannot fill a "
+                f"{self.bits}-bit one in groups of {self.group_size}"
+            )
+        self.qweight.copy_(other.qweight)
+        self.scales.copy_(other.scales)
+        if self.mins is not None and other.mins is not None:
+            self.mins.copy_(other.mins)
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The float32 rows ``rows`` [num_ids] of the weight -> [num_ids, K] (embedding lookups)."""
+        mins = None if self.mins is None else self.mins[rows]
+        return dequantize_groups(
+            self.qweight[rows], self.scales[rows], mins, self.bits, self.group_size
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_groups(self.qweight, self.scales, self.mins, self.bits, self.group_size)
+
+    @classmethod
+    def empty(cls, num_rows: int, num_cols: int, bits: int, group_size: int) -> QuantizedTensor:
+        check_group_size(num_cols, group_size)
+        num_groups = num_cols // group_size
+        qweight = torch.zeros(
+            num_rows, num_cols * bits // 8, dtype=torch.uint8 if bits == 4 else torch.int8
+        )
+        scales = torch.zeros(num_rows, num_groups, dtype=torch.float16)
+        mins = torch.zeros_like(scales) if bits == 4 else None
+        return cls(qweight, scales, mins, bits, group_size)
+
+
+def check_group_size(num_cols: int, group_size: int) -> None:
+    if group_size % RUN or num_cols % group_size:
+        raise ValueError(
+            f"a group of {group_size} values must be a multiple of {RUN} that divides the "
+            f"{num_cols} input features"
+        )
+
+
+def _half_at_least(value: torch.Tensor) -> torch.Tensor:
+    """The smallest float16 >= ``value`` (float32)."""
+    half = value.to(torch.float16)
+    below = half.float() < value
+    return torch.where(
+        below, torch.nextafter(half, torch.tensor(torch.inf, dtype=half.dtype)), half
+    )
+
+
+def _half_at_most(value: torch.Tensor) -> torch.Tensor:
+    """The largest float16 <= ``value`` (float32)."""
+    half = value.to(torch.float16)
+    above = half.float() > value
+    return torch.where(
+        above, torch.nextafter(half, torch.tensor(-torch.inf, dtype=half.dtype)), half
+    )
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedTensor:
+    """Rounds a float weight [N, K] to the nearest value the layout holds: 8 bits symmetric
+    (scale = max |w| / 127), 4 bits asymmetric (min = min w, scale = (max w - min w) / 15). The
+    float16 scales are rounded up and the mins down, so every value stays within the group's
+    range and is at most half a step from its weight; dequantizing gives back exactly what the
+    values were rounded to."""
+    num_rows, num_cols = weight.shape
+    check_group_size(num_cols, group_size)
+    grouped = weight.detach().float().reshape(num_rows, num_cols // group_size, group_size)
+    smallest = 2.0**-24  # the smallest float16 (an all-zero group: any divisor gives q = 0)
+    if bits == 8:
+        scales = _half_at_least(grouped.abs().amax(dim=2) / 127)
+        divisor = scales.float().clamp_min(smallest)[:, :, None]
+        q = torch.round(grouped / divisor).clamp_(-127, 127).to(torch.int8)
+        return QuantizedTensor(q.reshape(num_rows, num_cols), scales, None, 8, group_size)
+    if bits == 4:
+        mins = _half_at_most(grouped.amin(dim=2))
+        scales = _half_at_least((grouped.amax(dim=2) - mins.float()) / 15)
+        divisor = scales.float().clamp_min(smallest)[:, :, None]
+        q = torch.round((grouped - mins.float()[:, :, None]) / divisor).clamp_(0, 15)
+        packed = pack_4bit(q.reshape(num_rows, num_cols))
+        return QuantizedTensor(packed, scales, mins, 4, group_size)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def quantize_model(
+    model: torch.nn.Module,
+    bits: int,
+    group_size: int | None,
+    embeddings: bool,
+    stored: dict[str, QuantizedTensor],
+) -> dict[str, int]:
+    """Replaces the loaded model's linear weights by ``bits``-bit ones (groups of ``group_size``;
+    None: one group per output channel), and with ``embeddings`` the token embedding and the LM
+    head by 8-bit ones in groups of 32. A weight that ``stored`` (checkpoint name -> quantized
+    tensor, e.g. a GGUF file's blocks) holds in that layout is taken from it, sharded like the
+    float one; the others are quantized from the float weights. Returns counts: ``stored``,
+    ``quantized``, ``kept`` (left in float: no group size fits them) and ``bytes``."""
+    from engine.layers import MatmulLayer, QuantizableWeight, VocabParallelEmbedding
+
+    def layout(module: QuantizableWeight) -> tuple[int, int] | None:
+        num_cols = module.weight.shape[1]
+        if isinstance(module, VocabParallelEmbedding) or getattr(module, "shares_weight", False):
+            return (8, RUN) if embeddings and num_cols % RUN == 0 else None
+        if getattr(module, "vocab_size", None) is not None:  # an untied LM head
+            return (8, RUN) if embeddings and num_cols % RUN == 0 else None
+        size = group_size or num_cols
+        if size % RUN or num_cols % size:
+            return None
+        return bits, size
+
+    modules = {
+        path: module
+        for path, module in model.named_modules()
+        if isinstance(module, (MatmulLayer, VocabParallelEmbedding))
+    }
+    layouts = {path: layout(module) for path, module in modules.items()}  # before any is freed
+    # The stored weights, gathered per module (a fused layer takes several).
+    holders: dict[str, QuantizedTensor] = {}
+    parts: dict[str, set[int]] = {}
+    for name, tensor in stored.items():
+        target, shard_id = model.param_name(name)  # type: ignore[operator]
+        if target is None or not target.endswith(".weight"):
+            continue
+        path = target.removesuffix(".weight")
+        module = modules.get(path)
+        if module is None or layouts[path] != (tensor.bits, tensor.group_size):
+            continue
+        if path not in holders:
+            holders[path] = QuantizedTensor.empty(
+                *module.weight.shape, tensor.bits, tensor.group_size
+            )
+        with torch.no_grad():
+            module.weight.weight_loader(holders[path], tensor, shard_id)  # type: ignore[operator]
+        parts.setdefault(path, set()).add(shard_id)
+
+    counts = {"stored": 0, "quantized": 0, "kept": 0, "bytes": 0}
+    shared: dict[int, QuantizedTensor] = {}  # weight storage -> its quantized form (tied weights)
+    # Embeddings first: a tied LM head then takes the same quantized tensors.
+    ordered = sorted(
+        modules.items(), key=lambda item: not isinstance(item[1], VocabParallelEmbedding)
+    )
+    for path, module in ordered:
+        wanted = layouts[path]
+        if wanted is None:
+            counts["kept"] += 1
+            continue
+        key = id(module.weight)
+        expected_parts = len(getattr(module, "output_sizes", [0]))
+        if key in shared:
+            quantized = shared[key]
+        elif path in holders and len(parts[path]) == expected_parts:
+            quantized = holders[path]
+            counts["stored"] += 1
+        else:
+            quantized = quantize(module.weight.data, *wanted)
+            counts["quantized"] += 1
+        if key not in shared:
+            counts["bytes"] += quantized.nbytes
+        shared[key] = quantized
+        module.set_quantized(quantized)
+    return counts
+
+
+def resolve_quantization(config: QuantizationConfig, device: torch.device) -> QuantizationConfig:
+    """``auto`` -> int4 on a CPU where the quantized product is native code, else none. Raises
+    ValueError where the device cannot run quantized weights."""
+    method = config.method
+    if method == "auto":
+        from kernels.quant_cpu import load
+
+        native = device.type == "cpu" and load() != "torch"
+        method = "int4" if native else "none"
+    if method != "none" and device.type != "cpu":
+        raise ValueError(
+            f"quantization {method} runs on CPUs; on {device.type} serve with quantization none"
+        )
+    return config.model_copy(update={"method": method})

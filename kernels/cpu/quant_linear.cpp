@@ -1,0 +1,155 @@
+// splitfuse::quant_linear: x [M, K] float32 times a weight-only quantized [N, K] weight (4-bit
+// asymmetric or 8-bit symmetric, float16 scales per group), out [M, N] float32. The weight is
+// dequantized one tile of output rows at a time into a per-thread buffer that stays in the L1
+// cache, then multiplied with every row of x; so the weight's bytes are read once per call, which
+// is what bounds a decode step. The body is compiled for AVX-512, AVX2 and SSE2 and the widest
+// one the CPU runs is picked once.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace splitfuse_avx512 {
+#define SF_LANES 16
+#define SF_ROW_TILE 4
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+static inline float lane_sum(vfloat v) { return _mm512_reduce_add_ps((__m512)v); }
+static inline vint load_u8(const uint8_t* p) {
+  return (vint)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vint load_s8(const int8_t* p) {
+  return (vint)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#include "quant_linear_body.h"
+#undef SF_LANES
+#undef SF_ROW_TILE
+}  // namespace splitfuse_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace splitfuse_avx2 {
+#define SF_LANES 8
+#define SF_ROW_TILE 2
+typedef float vfloat __attribute__((vector_size(32)));
+typedef int32_t vint __attribute__((vector_size(32)));
+static inline float lane_sum(vfloat v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+static inline vint load_u8(const uint8_t* p) {
+  return (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vint load_s8(const int8_t* p) {
+  return (vint)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+#include "quant_linear_body.h"
+#undef SF_LANES
+#undef SF_ROW_TILE
+}  // namespace splitfuse_avx2
+#pragma GCC pop_options
+
+namespace splitfuse_sse2 {
+#define SF_LANES 4
+#define SF_ROW_TILE 2
+typedef float vfloat __attribute__((vector_size(16)));
+typedef int32_t vint __attribute__((vector_size(16)));
+static inline float lane_sum(vfloat v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+static inline vint load_u8(const uint8_t* p) { return (vint){p[0], p[1], p[2], p[3]}; }
+static inline vint load_s8(const int8_t* p) { return (vint){p[0], p[1], p[2], p[3]}; }
+#include "quant_linear_body.h"
+#undef SF_LANES
+#undef SF_ROW_TILE
+}  // namespace splitfuse_sse2
+
+namespace {
+
+using ColumnsFn = void (*)(const float*, int64_t, int64_t, int64_t, const void*, const uint16_t*,
+                           const uint16_t*, int, int64_t, int64_t, int64_t, float*, float*);
+
+// The widest body the CPU runs; SPLITFUSE_QUANT_ISA=avx2 or sse2 asks for a narrower one (tests
+// run every body on one machine).
+ColumnsFn pick_columns_fn() {
+  __builtin_cpu_init();
+  const char* asked = std::getenv("SPLITFUSE_QUANT_ISA");
+  const std::string limit = asked == nullptr ? "" : asked;
+  if (limit == "sse2") return splitfuse_sse2::quant_linear_columns;
+  if (limit != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return splitfuse_avx512::quant_linear_columns;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return splitfuse_avx2::quant_linear_columns;
+  return splitfuse_sse2::quant_linear_columns;
+}
+
+const ColumnsFn columns_fn = pick_columns_fn();
+
+std::string instruction_set() {
+  if (columns_fn == splitfuse_avx512::quant_linear_columns) return "avx512";
+  if (columns_fn == splitfuse_avx2::quant_linear_columns) return "avx2";
+  return "sse2";
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group_size) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quant_linear: x must be a contiguous float32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
+              "quant_linear: group_size ", group_size, " must be a multiple of 32 dividing K=", K);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.size(1) == (bits == 4 ? K / 2 : K) &&
+                  qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "quant_linear: qweight must be contiguous ",
+              bits == 4 ? "uint8 [N, K/2]" : "int8 [N, K]");
+  const int64_t num_groups = K / group_size;
+  auto check_scales = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 2 &&
+                    t.size(0) == N && t.size(1) == num_groups,
+                "quant_linear: ", name, " must be contiguous float16 [N, K/group_size]");
+  };
+  check_scales(scales, "scales");
+  TORCH_CHECK(bits == 8 || mins.has_value(), "quant_linear: 4-bit weights need mins");
+  if (bits == 4) check_scales(*mins, "mins");
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quant_linear: CPU tensors only");
+
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const float* x_ptr = x.data_ptr<float>();
+  const void* q_ptr = qweight.data_ptr();
+  const auto* s_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* m_ptr =
+      bits == 4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  float* out_ptr = out.data_ptr<float>();
+  // Threads share the output columns in whole tiles of 4 (a tile's rows are dequantized once).
+  const int64_t num_tiles = (N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(4 * K + 2 * num_groups);
+    columns_fn(x_ptr, M, K, N, q_ptr, s_ptr, m_ptr, static_cast<int>(bits), group_size, begin * 4,
+               std::min(end * 4, N), buffer.data(), out_ptr);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitfuse_cpu, m) {
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
+        "int group_size) -> Tensor");
+  m.def("instruction_set() -> str", [] { return instruction_set(); });
+}
+
+TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) { m.impl("quant_linear", quant_linear); }

@@ -1,0 +1,149 @@
+// The body of the weight-only quantized product, compiled once per instruction set: the including
+// file wraps it in `#pragma GCC target` and a namespace of its own, and defines SF_LANES (floats
+// per vector), SF_ROW_TILE (rows of x per micro-kernel call), the vector types vfloat and vint
+// (SF_LANES floats / int32s), lane_sum (the sum of a vfloat's lanes) and load_u8 / load_s8 (SF_LANES bytes widened to a vint: a plain
+// vector conversion of bytes compiles to scalar code). The rest is GCC vector extensions, so one
+// source becomes AVX-512, AVX2 or SSE2 code.
+//
+// Weight layouts, per output row n ([N, K] logically, groups of `group_size` along K):
+//   4-bit: qweight [N, K/2] uint8. Each run of 32 values is 16 bytes; byte j holds value j in its
+//          low nibble and value j+16 in its high nibble (GGUF's Q4_0/Q4_1 order). A value q in
+//          [0, 15] means scale * q + min, with scale and min float16 per group ([N, K/G] each).
+//   8-bit: qweight [N, K] int8; a value q in [-128, 127] means scale * q (scale float16 per group).
+// Every group is a whole number of 32-value runs, so K is a multiple of 32 and of SF_LANES.
+
+static inline vfloat load(const float* p) {
+  vfloat v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// Row n of a 4-bit weight as floats: out[k] = scale[k / G] * q[k] + min[k / G].
+static void dequantize_row_4bit(const uint8_t* qrow, const float* scales, const float* mins,
+                                int64_t K, int64_t group_size, float* out) {
+  for (int64_t g = 0; g < K / group_size; ++g) {
+    const vfloat scale = scales[g] - (vfloat){};
+    const vfloat min = mins[g] - (vfloat){};
+    for (int64_t run = g * group_size; run < (g + 1) * group_size; run += 32) {
+      const uint8_t* bytes = qrow + run / 2;
+      for (int j = 0; j < 16; j += SF_LANES) {
+        const vint b = load_u8(bytes + j);
+        const vfloat low = __builtin_convertvector(b & 15, vfloat);
+        const vfloat high = __builtin_convertvector(b >> 4, vfloat);
+        store(out + run + j, low * scale + min);
+        store(out + run + 16 + j, high * scale + min);
+      }
+    }
+  }
+}
+
+// Row n of an 8-bit weight as floats: out[k] = scale[k / G] * q[k].
+static void dequantize_row_8bit(const int8_t* qrow, const float* scales, int64_t K,
+                                int64_t group_size, float* out) {
+  for (int64_t g = 0; g < K / group_size; ++g) {
+    const vfloat scale = scales[g] - (vfloat){};
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += SF_LANES) {
+      store(out + k, __builtin_convertvector(load_s8(qrow + k), vfloat) * scale);
+    }
+  }
+}
+
+// A float16 (its bits) as a float: normals, subnormals, zeros, infinities and NaNs.
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while ((mantissa & 0x400) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// out[r, t] = sum_k x[r, k] * w[t, k] for ROWS rows of x and COLS rows of w (w: COLS x K floats).
+template <int ROWS, int COLS>
+static void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t K, float* out,
+                         int64_t ldo) {
+  vfloat acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = (vfloat){};
+  for (int64_t k = 0; k < K; k += SF_LANES) {
+    vfloat wv[COLS];
+    for (int c = 0; c < COLS; ++c) wv[c] = load(w + c * K + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const vfloat xv = load(x + r * ldx + k);
+      for (int c = 0; c < COLS; ++c) acc[r][c] += xv * wv[c];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) out[r * ldo + c] = lane_sum(acc[r][c]);
+}
+
+template <int COLS>
+static void all_rows(const float* x, int64_t M, int64_t K, const float* w, float* out,
+                     int64_t ldo) {
+  int64_t r = 0;
+  for (; r + SF_ROW_TILE <= M; r += SF_ROW_TILE)
+    micro_kernel<SF_ROW_TILE, COLS>(x + r * K, K, w, K, out + r * ldo, ldo);
+  switch (M - r) {  // the remainder, fewer than SF_ROW_TILE rows
+#if SF_ROW_TILE > 3
+    case 3: micro_kernel<3, COLS>(x + r * K, K, w, K, out + r * ldo, ldo); break;
+#endif
+#if SF_ROW_TILE > 2
+    case 2: micro_kernel<2, COLS>(x + r * K, K, w, K, out + r * ldo, ldo); break;
+#endif
+    case 1: micro_kernel<1, COLS>(x + r * K, K, w, K, out + r * ldo, ldo); break;
+    default: break;
+  }
+}
+
+constexpr int kColTile = 4;  // weight rows dequantized together and multiplied as one tile
+
+// Output columns [col_begin, col_end) of out [M, N] = x [M, K] @ dequantized(weight)^T, using
+// `buffer` (kColTile * K + 2 * K / group_size floats) for the dequantized rows and their scales.
+// scales and mins are float16 bits, [N, K / group_size] each (mins only for 4 bits).
+static void quant_linear_columns(const float* x, int64_t M, int64_t K, int64_t N,
+                                 const void* qweight, const uint16_t* scales,
+                                 const uint16_t* mins, int bits, int64_t group_size,
+                                 int64_t col_begin, int64_t col_end, float* buffer, float* out) {
+  const int64_t num_groups = K / group_size;
+  float* row_scales = buffer + kColTile * K;
+  float* row_mins = row_scales + num_groups;
+  for (int64_t n = col_begin; n < col_end; n += kColTile) {
+    const int cols = static_cast<int>(col_end - n < kColTile ? col_end - n : kColTile);
+    for (int c = 0; c < cols; ++c) {
+      const int64_t row = n + c;
+      for (int64_t g = 0; g < num_groups; ++g) {
+        row_scales[g] = half_to_float(scales[row * num_groups + g]);
+        if (bits == 4) row_mins[g] = half_to_float(mins[row * num_groups + g]);
+      }
+      if (bits == 4)
+        dequantize_row_4bit(static_cast<const uint8_t*>(qweight) + row * (K / 2), row_scales,
+                            row_mins, K, group_size, buffer + c * K);
+      else
+        dequantize_row_8bit(static_cast<const int8_t*>(qweight) + row * K, row_scales, K,
+                            group_size, buffer + c * K);
+    }
+    switch (cols) {
+      case 4: all_rows<4>(x, M, K, buffer, out + n, N); break;
+      case 3: all_rows<3>(x, M, K, buffer, out + n, N); break;
+      case 2: all_rows<2>(x, M, K, buffer, out + n, N); break;
+      default: all_rows<1>(x, M, K, buffer, out + n, N); break;
+    }
+  }
+}

@@ -1,0 +1,85 @@
+"""The CPU weight-only quantized product ``splitfuse_cpu::quant_linear``: a C++ operator built
+from ``kernels/cpu/`` by torch's extension builder (once; ``make install`` builds it, later
+imports load the cached library), with a PyTorch fallback where no C++ compiler is there.
+
+``quant_linear(x, qweight, scales, mins, bits, group_size)``: x [M, K] float32 times the
+dequantized weight [N, K] transposed -> [M, N] float32 (layouts in ``engine/quantization.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
+_EXTENSION = "splitfuse_cpu_kernels"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _build() -> str:
+    """Builds (or loads the cached build of) the C++ operator; returns the instruction set it runs
+    with. Raises where it cannot be built."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        name=_EXTENSION,
+        sources=[str(_SOURCE_DIR / "quant_linear.cpp")],
+        extra_include_paths=[str(_SOURCE_DIR)],
+        extra_cflags=["-O3", "-ffp-contract=fast"],
+        extra_ldflags=[],
+        is_python_module=False,
+        verbose=os.environ.get("SPLITFUSE_VERBOSE_BUILD") == "1",
+    )
+    return str(torch.ops.splitfuse_cpu.instruction_set())
+
+
+def _define_fallback() -> None:
+    """The same operator in PyTorch (dequantize, then ``F.linear``)."""
+    from engine.quantization import dequantize_groups
+
+    library = torch.library.Library("splitfuse_cpu", "DEF")
+    _state["library"] = library  # kept alive: the definitions live as long as the object
+    library.define(
+        "quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
+        "int group_size) -> Tensor"
+    )
+
+    def quant_linear(x, qweight, scales, mins, bits, group_size):  # type: ignore[no-untyped-def]
+        weight = dequantize_groups(qweight, scales, mins, bits, group_size)
+        return torch.nn.functional.linear(x, weight)
+
+    library.impl("quant_linear", quant_linear, "CPU")
+
+
+def load() -> str:
+    """Makes ``torch.ops.splitfuse_cpu.quant_linear`` available; returns what runs it: "avx512",
+    "avx2" or "sse2" (the C++ operator) or "torch" (the fallback)."""
+    with _lock:
+        if "kind" in _state:
+            return str(_state["kind"])
+        try:
+            kind = _build()
+        except Exception as error:  # no compiler, no headers: the fallback keeps things working
+            logger.warning(
+                "the C++ quantized product could not be built (%s); using PyTorch", error
+            )
+            _define_fallback()
+            kind = "torch"
+
+        @torch.library.register_fake("splitfuse_cpu::quant_linear")
+        def _fake(x, qweight, scales, mins, bits, group_size):  # type: ignore[no-untyped-def]
+            return x.new_empty((x.shape[0], qweight.shape[0]))
+
+        _state["kind"] = kind
+        return kind
+
+
+if __name__ == "__main__":  # ``python -m kernels.quant_cpu``: build at install time
+    print(f"splitfuse_cpu::quant_linear runs with {load()}")
