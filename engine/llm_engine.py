@@ -143,9 +143,10 @@ class LLMEngine:
         tenant: str = "",
     ) -> None:
         """Queues a request (``priority``: lower first under the ``priority`` policy; ``tenant``:
-        whose share of the prompt budget it takes under ``fair_share``). Raises ValueError (changing nothing) on an empty prompt, a token id
-        outside the vocabulary, a prompt too long for max_model_len, an id in use, or a
-        structured output the engine cannot run (GrammarError)."""
+        whose share of the prompt budget it takes under ``fair_share``). Raises ValueError
+        (changing nothing) on an empty prompt, a token id outside the vocabulary, a prompt too
+        long for max_model_len, an id in use, or a structured output the engine cannot run
+        (GrammarError)."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         if not prompt_token_ids:

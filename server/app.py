@@ -90,7 +90,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     """The app for ``config``; ``engine_factory(engine_config)`` builds the engine (default: the
     real ``LLMEngine``). ``app.state.server`` holds the shared ``ServerState``."""
     factory = engine_factory or default_engine_factory
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(vllm_metrics=config.vllm_metrics)
     holder: dict[str, ServerState] = {}
     async_engine = AsyncEngine(
         functools.partial(_load_with_progress, factory, config.engine),

@@ -57,6 +57,8 @@ class _Add:
     sampling_params: SamplingParams
     group_id: str | None
     arrival_time: float
+    priority: int = 0
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,8 @@ class AsyncEngine:
         group_id: str | None = None,
         arrival_time: float | None = None,
         queue: asyncio.Queue[RequestOutput] | None = None,
+        priority: int = 0,
+        tenant: str = "",
     ) -> asyncio.Queue[RequestOutput]:
         """Submits a request; its outputs arrive on ``queue`` (a new one unless given; several
         requests may share one), the last one finished."""
@@ -152,6 +156,8 @@ class AsyncEngine:
             sampling_params,
             group_id,
             time.monotonic() if arrival_time is None else arrival_time,
+            priority,
+            tenant,
         )
         self._submit(command)
         return queue
@@ -309,6 +315,8 @@ class AsyncEngine:
                     command.sampling_params,
                     group_id=command.group_id,
                     arrival_time=command.arrival_time,
+                    priority=command.priority,
+                    tenant=command.tenant,
                 )
             except ValueError as error:
                 outputs.append(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from engine.config import EngineConfig, parse_memory
 from server.protocol import MAX_PROMPTS
 
 ENV_PREFIX = "SPLITFUSE_"
+_HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 # Environment variables with the prefix that are not configuration fields.
 _ENV_NOT_FIELDS = {"SPLITFUSE_CACHE"}
 
@@ -76,6 +78,16 @@ class ServerConfig(BaseModel):
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_require_auth: bool = False
+    vllm_metrics: bool = Field(
+        True,
+        description="also export the vllm:* series that gateways, endpoint pickers and "
+        "autoscalers read from vLLM-compatible servers",
+    )
+    tenant_header: str | None = Field(
+        None,
+        description="a request header naming the request's tenant (set by a trusted gateway); "
+        "otherwise the API key is the tenant",
+    )
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(compile=True))
 
     @field_validator("engine", mode="before")
@@ -104,6 +116,13 @@ class ServerConfig(BaseModel):
         if any(not key for key in keys):
             raise ValueError("API keys must not be empty")
         return keys
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _check_header_name(cls, value: str | None) -> str | None:
+        if value is not None and not _HEADER_NAME.fullmatch(value):
+            raise ValueError("must be an HTTP header name such as X-Tenant-Id")
+        return value.lower() if value is not None else None
 
     @field_validator("log_level", mode="before")
     @classmethod

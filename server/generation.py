@@ -73,8 +73,11 @@ class Generation:
         n: int,
         params: SamplingParams,
         metrics: ServerMetrics | None = None,
+        priority: int = 0,
+        tenant: str = "default",
     ) -> None:
         self.request_id = request_id
+        self.tenant = tenant
         self.arrival_time = time.monotonic()
         self._engine = engine
         self._metrics = metrics
@@ -108,6 +111,8 @@ class Generation:
                         group_id=group_id,
                         arrival_time=self.arrival_time,
                         queue=self._queue,
+                        priority=priority,
+                        tenant=tenant,
                     )
                 except Exception:
                     self.close()
@@ -187,6 +192,7 @@ class Generation:
                 else choice.first_token_time - self.arrival_time,
                 choice.queue_seconds,
                 choice.token_gaps,
+                tenant=self.tenant,
             )
         if self._num_unfinished == 0:
             self._log_finished(now)
@@ -210,6 +216,7 @@ class Generation:
         record = {
             "event": "request_finished",
             "id": self.request_id,
+            "tenant": self.tenant,
             "prompt_tokens": self.num_prompt_tokens,
             "output_tokens": self.num_output_tokens,
             "ttft_s": None if ttft is None else round(ttft, 4),

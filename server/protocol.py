@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     TypeAdapter,
     WithJsonSchema,
     field_validator,
@@ -76,6 +77,9 @@ class _SamplingFields(_Body, StructuredFields):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    # Lower is served first under --scheduling-policy priority (vLLM's convention); an integer,
+    # not a numeric string or a float.
+    priority: StrictInt = Field(0, ge=-(2**31), lt=2**31)
 
     @field_validator("stop")
     @classmethod

@@ -20,6 +20,8 @@ _FLAG_FIELDS = (
     "drain_timeout",
     "log_level",
     "metrics_require_auth",
+    "vllm_metrics",
+    "tenant_header",
     "model",
     "tokenizer",
     "dtype",
@@ -36,6 +38,9 @@ _FLAG_FIELDS = (
     "seed",
     "num_threads",
     "compile",
+    "quantization",
+    "scheduling_policy",
+    "fair_share",
 )
 
 
@@ -81,6 +86,19 @@ def register(subparsers: Any) -> None:
         const=True,
         help="require the API key for /metrics too",
     )
+    server.add_argument(
+        "--no-vllm-metrics",
+        dest="vllm_metrics",
+        action="store_const",
+        const=False,
+        help="export only the splitfuse_* metrics, not the vllm:* series gateways read",
+    )
+    server.add_argument(
+        "--tenant-header",
+        metavar="NAME",
+        help="a header naming each request's tenant, set by a trusted gateway (default: the "
+        "API key is the tenant)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
     engine.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
@@ -106,6 +124,24 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
     engine.add_argument("--seed", type=int, help="engine seed")
     engine.add_argument("--num-threads", type=int, help="CPU threads (default: all cores)")
+    engine.add_argument(
+        "--quantization",
+        choices=["none", "auto", "int8", "int4"],
+        help="weight-only quantization (default: auto, int4 on a CPU that runs the quantized "
+        "product natively; a GGUF model keeps its own 4- and 8-bit blocks); group sizes and "
+        "DeepSpeed's quant form go in --config",
+    )
+    engine.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        help="fcfs (default), or priority: the requests' priority (lower first), then arrival",
+    )
+    engine.add_argument(
+        "--fair-share",
+        action="store_const",
+        const=True,
+        help="share each step's prompt-token budget between tenants",
+    )
     engine.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,

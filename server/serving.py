@@ -5,6 +5,12 @@
 
 Waiting for the first delta before answering means an engine failure or refusal still gets its
 own status (500 / 400) and body, streaming or not.
+
+Tenants and load shedding: a request's tenant is named by the ``tenant_header`` (when configured,
+for a trusted gateway in front), else by its API key (``key1``, ``key2``, ... in the order the
+keys are configured: never the key itself), else ``default``. Under the ``priority`` policy a call
+that finds the queue full evicts queued calls of strictly lower priority (the lowest, newest
+first) when that makes room; each evicted client gets a 429 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import hmac
+import itertools
 import json
 import math
 import re
@@ -19,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -52,6 +61,21 @@ class ClientDisconnected(Exception):
     """The client went away before the response started."""
 
 
+# A tenant named by a header: what a metric label and a log line can carry.
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+@dataclass(eq=False)
+class _Queued:
+    """A call waiting for its first deltas; eviction cancels ``task``."""
+
+    priority: int
+    num_sequences: int
+    order: int
+    task: asyncio.Future[list[ChoiceDelta]] | None = None
+    evicted: bool = False
+
+
 class ServerState:
     """Everything the routes share. Lives on ``app.state.server``."""
 
@@ -70,6 +94,9 @@ class ServerState:
         self.max_model_len = 0
         self.created = int(time.time())
         self.fatal_hooks: list[Callable[[str], None]] = []
+        self.shed_by_priority = config.engine.scheduling_policy == "priority"
+        self._queued: set[_Queued] = set()
+        self._queue_order = itertools.count()
         # Parsing, validating, templating and tokenizing a request run here, not on the event
         # loop, so that /livez and the streams keep answering while a big body is prepared.
         self._prep = ThreadPoolExecutor(_PREP_THREADS, thread_name_prefix="splitfuse-prep")
@@ -106,6 +133,9 @@ class ServerState:
         self.grammar_tokenizer = engine.grammar_tokenizer  # checks structured outputs
         self.model_name = self.config.served_model_name or engine.model_name
         self.max_model_len = engine.max_model_len
+        self.metrics.set_engine_info(
+            self.model_name, self.config.engine.block_size, getattr(engine, "num_kv_blocks", 0)
+        )
 
     def on_engine_fatal(self, message: str) -> None:
         for hook in self.fatal_hooks:
@@ -164,8 +194,56 @@ class ServerState:
                 code="invalid_value",
             )
 
-    def check_queue(self, num_sequences: int) -> None:
-        if self.num_queued + num_sequences > self.config.max_queued_requests:
+    def tenant_of(self, request: Request) -> str:
+        """The request's tenant (see the module docstring); 400 for a malformed header."""
+        header = self.config.tenant_header
+        if header is not None:
+            value = request.headers.get(header)
+            if value is not None:
+                if not _TENANT_NAME.fullmatch(value):
+                    raise APIError(
+                        400,
+                        f"the {header} header must be 1-64 characters of letters, digits and "
+                        "'._:-', starting with a letter or digit",
+                        param=header,
+                        code="invalid_value",
+                    )
+                return value
+        if self.api_keys:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            found = 0
+            for index, key in enumerate(self.api_keys, start=1):  # every key, constant time
+                if hmac.compare_digest(token.strip().encode(), key.encode()):
+                    found = found or index
+            if found and scheme.lower() == "bearer":
+                return f"key{found}"
+        return "default"
+
+    def check_queue(self, num_sequences: int, priority: int = 0) -> None:
+        """429 when the queue cannot take ``num_sequences`` more, unless (priority policy)
+        evicting queued calls of strictly lower priority makes room: those are evicted."""
+        overflow = self.num_queued + num_sequences - self.config.max_queued_requests
+        if overflow > 0 and self.shed_by_priority:
+            victims = sorted(
+                (q for q in self._queued if q.priority > priority and not q.evicted),
+                key=lambda q: (q.priority, q.order),
+                reverse=True,
+            )
+            chosen: list[_Queued] = []
+            for victim in victims:
+                if overflow <= 0:
+                    break
+                chosen.append(victim)
+                overflow -= victim.num_sequences
+            if overflow <= 0:
+                for victim in chosen:
+                    victim.evicted = True
+                    self.num_queued -= victim.num_sequences
+                    if victim.task is not None:
+                        victim.task.cancel()
+                    self.metrics.requests_evicted.inc()
+                return
+        if overflow > 0:
             raise APIError(
                 429,
                 f"the server has {self.num_queued} sequences waiting and this request adds "
@@ -188,34 +266,70 @@ class ServerState:
         500) or ClientDisconnected (after aborting)."""
         token_text = self.check_accepting()
         num_sequences = len(prompts) * n  # the routes checked it with check_num_sequences
-        self.check_queue(num_sequences)
+        priority: int = getattr(request.state, "priority", 0)
+        tenant = self.tenant_of(request)
+        self.check_queue(num_sequences, priority)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         generation = Generation(
-            self.engine, token_text.tokenizer, request_id, prompts, n, params, self.metrics
+            self.engine,
+            token_text.tokenizer,
+            request_id,
+            prompts,
+            n,
+            params,
+            self.metrics,
+            priority=priority,
+            tenant=tenant,
         )
+        queued = _Queued(priority, num_sequences, next(self._queue_order))
+        queued.task = asyncio.ensure_future(generation.next_deltas())
+        self._queued.add(queued)
         self.num_queued += num_sequences
         try:
-            first = await until_disconnected(request, generation.next_deltas())
+            first = await until_disconnected(request, queued.task)
         except GenerationError as error:
             raise APIError(
                 error.status_code,
                 error.message,
                 code="engine_error" if error.status_code == 500 else "invalid_value",
             ) from None
+        except asyncio.CancelledError:
+            generation.close()
+            if not queued.evicted or _being_cancelled():
+                raise
+            raise APIError(
+                429,
+                "this request was evicted from the full queue by one of higher priority; "
+                "retry later",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from None
         except BaseException:
             generation.close()
             raise
         finally:
-            self.num_queued -= num_sequences
+            self._queued.discard(queued)
+            if not queued.evicted:
+                self.num_queued -= num_sequences
         return generation, first
 
 
 async def read_body(request: Request, model: type[BodyT]) -> BodyT:
     """The JSON body validated against ``model``; 400 naming the field otherwise. Parsed and
-    validated off the event loop (a 4 MiB body takes tenths of a second)."""
+    validated off the event loop (a 4 MiB body takes tenths of a second). The body's
+    ``priority`` is kept on ``request.state`` for ``ServerState.start``."""
     raw = await request.body()
     state: ServerState = request.app.state.server
-    return await state.off_loop(parse_body, raw, model)
+    body = await state.off_loop(parse_body, raw, model)
+    request.state.priority = getattr(body, "priority", 0)
+    return body
+
+
+def _being_cancelled() -> bool:
+    """Whether the current task itself is being cancelled (not only something it awaited)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    return bool(cancelling()) if cancelling is not None else False
 
 
 def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:

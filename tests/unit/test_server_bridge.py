@@ -67,6 +67,8 @@ class FakeEngine:
         sampling_params: SamplingParams,
         group_id: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "",
     ) -> None:
         self.caller_threads.add(threading.get_ident())
         if not prompt_token_ids:

@@ -22,7 +22,8 @@ class StubEngine:
         self.aborted: list[str] = []
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, group_id: Any = None,
-            arrival_time: Any = None, queue: Any = None) -> Any:  # fmt: skip
+            arrival_time: Any = None, queue: Any = None, priority: int = 0,
+            tenant: str = "") -> Any:  # fmt: skip
         self.queue = queue
         self.added.append((request_id, group_id, params.seed))
         return queue
