@@ -14,13 +14,15 @@ from typing import Any
 
 DASHBOARD = Path(__file__).resolve().parent / "grafana" / "splitfuse.json"
 
-# The server's metric names all start with ``splitfuse_``; label names and PromQL functions never
-# do, so every such identifier in a query is a series name.
-_SERIES_NAME = re.compile(r"\bsplitfuse_[a-zA-Z0-9_]+")
+# The server's metric names all start with ``splitfuse_`` (or ``vllm:``, the vLLM-compatible
+# series); label names and PromQL functions never do, so every such identifier in a query is a
+# series name.
+_SERIES_NAME = re.compile(r"\b(?:splitfuse_|vllm:)[a-zA-Z0-9_:]+")
 
 
 def series_names(expr: str) -> set[str]:
-    """``'rate(splitfuse_x_bucket{job="a"}[5m])'`` -> ``{'splitfuse_x_bucket'}``."""
+    """``'rate(splitfuse_x_bucket{job="a"}[5m])'`` -> ``{'splitfuse_x_bucket'}``;
+    ``'sum(vllm:num_requests_waiting)'`` -> ``{'vllm:num_requests_waiting'}``."""
     return set(_SERIES_NAME.findall(expr))
 
 

@@ -38,6 +38,7 @@ KIND_ORDER = (
     "PodDisruptionBudget",
     "HorizontalPodAutoscaler",
     "ServiceMonitor",
+    "InferencePool",
 )
 
 
