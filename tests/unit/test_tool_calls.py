@@ -9,7 +9,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.structured_output import GrammarTokenizer
 from server.tool_calls import ToolCallStream, assemble, parse_tool_calls
+from server.tools import (
+    FunctionName,
+    Tool,
+    prompt_messages,
+    reply_message,
+    resolve_tools,
+    template_tool_format,
+)
+
+
+@pytest.fixture(scope="module")
+def grammar_tokenizer(tiny_llama_dir) -> GrammarTokenizer:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    return GrammarTokenizer(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
 
 JSON_CALLS = (
     '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}, '
@@ -96,3 +114,59 @@ def test_arguments_arrive_in_fragments() -> None:
         events += stream.feed(char)
     fragments = [event for event in events if event.kind == "arguments" and event.index == 0]
     assert len(fragments) > 10
+
+
+def _tools(*names: str) -> list[Tool]:
+    parameters = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    return [Tool(type="function", function={"name": n, "parameters": parameters}) for n in names]
+
+
+@pytest.mark.parametrize("tool_format", ["json", "hermes"])
+def test_required_grammar_admits_parallel_calls_and_validates(
+    grammar_tokenizer, tool_format: str
+) -> None:
+    plan = resolve_tools(_tools("f", "g"), "required", None, None, None, tool_format)
+    calls = [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {"x": 2}}]
+    if tool_format == "json":
+        text = json.dumps({"tool_calls": calls})
+    else:
+        text = "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in calls)
+    matcher = grammar_tokenizer.matcher(plan.structured_output())
+    assert matcher.consume_tokens(grammar_tokenizer.llg.tokenize_str(text))
+    assert matcher.is_accepting()
+    message, finish_reason = reply_message(plan, text, "stop")
+    assert finish_reason == "tool_calls"
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["f", "g"]
+    single = resolve_tools(_tools("f", "g"), "required", False, None, None, tool_format)
+    matcher = grammar_tokenizer.matcher(single.structured_output())
+    assert not matcher.consume_tokens(grammar_tokenizer.llg.tokenize_str(text))
+    wrong = text.replace('"x": 1', '"x": "one"')
+    matcher = grammar_tokenizer.matcher(plan.structured_output())
+    assert not matcher.consume_tokens(grammar_tokenizer.llg.tokenize_str(wrong))
+
+
+def test_legacy_functions_map_onto_tools() -> None:
+    functions = [tool.function for tool in _tools("f")]
+    plan = resolve_tools(None, None, None, functions, FunctionName(name="f"), "json")
+    assert plan.legacy and plan.choice == "f" and not plan.parallel
+    message, finish_reason = reply_message(
+        plan, '{"tool_calls": [{"name": "f", "arguments": {"x": 3}}]}', "stop"
+    )
+    assert finish_reason == "function_call"
+    assert message["function_call"] == {"name": "f", "arguments": '{"x": 3}'}
+    assert resolve_tools(None, None, None, functions, "none", "json") is None
+
+
+def test_tool_prompts() -> None:
+    plan = resolve_tools(_tools("f"), None, None, None, None, "json")
+    messages, tools = prompt_messages(plan, [{"role": "user", "content": "hi"}])
+    assert (
+        tools is None
+        and messages[0]["role"] == "system"
+        and '"name": "f"' in messages[0]["content"]
+    )
+    hermes = resolve_tools(_tools("f"), None, None, None, None, "hermes")
+    messages, tools = prompt_messages(hermes, [{"role": "user", "content": "hi"}])
+    assert tools == hermes.tool_dicts() and len(messages) == 1
+    assert template_tool_format("{% for t in tools %}<tool_call>{% endfor %}") == "hermes"
+    assert template_tool_format("{{ messages }}") == "json"
