@@ -14,6 +14,7 @@ COMMANDS: dict[str, str] = {
     "bench": "server.bench_command",
     "generate": "server.generate_command",
     "model": "server.model_command",
+    "top": "server.top_command",
 }
 
 

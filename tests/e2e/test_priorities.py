@@ -267,3 +267,18 @@ def test_liveness_stays_200_while_draining_and_readiness_turns_503(
     assert httpx.get(server.url + "/health").status_code == 503
     in_flight.join(60)
     assert results[0].status_code == 200
+
+
+def test_top_renders_a_frame_from_a_live_server(
+    tiny_server: ServerThread, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from server.cli import main
+
+    body = {"prompt": "x", "max_tokens": 2}
+    assert httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    assert main(["top", "--url", tiny_server.url, "--once", "--interval", "0.2"]) == 0
+    frame = capsys.readouterr().out
+    assert frame.startswith(f"splitfuse top - {tiny_server.url}")
+    assert "requests   running" in frame and "TTFT" in frame and "tenant share" in frame
+    assert main(["top", "--url", "http://127.0.0.1:9", "--once", "--interval", "0.05"]) == 1
+    assert "unreachable" in capsys.readouterr().out
