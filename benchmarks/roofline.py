@@ -2,6 +2,7 @@
 
     python benchmarks/roofline.py                 # the default model, as served (auto dtype)
     python benchmarks/roofline.py --dtype float32 --skip-served
+    python benchmarks/roofline.py --quantization int4 --skip-served   # the GGUF's 4-bit blocks
 
 Limits, measured first:
     read bandwidth   bytes/s of a streaming read (``max``) over tensors of the byte sizes of
@@ -10,7 +11,8 @@ Limits, measured first:
 
 Then the engine on the model (compiled step graphs, as ``splitfuse serve`` runs them):
     one stream       median decode step vs weight bytes read per step / read bandwidth
-                     (target: <= 1.3x)
+                     (target: <= 1.3x); quantized, the bytes are the quantized weights' (values,
+                     scales and mins)
     32 streams       output tokens/s of 32 requests decoding at context ~256, vs one stream
                      (target: >= 4x)
     prefill          prompt tokens/s of 64 prompts x 512 tokens vs FLOP/s / FLOPs per token
@@ -75,11 +77,26 @@ def weight_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     return layer * config.num_layers + [(config.vocab_size, hidden)]
 
 
-def read_bandwidth(shapes: list[tuple[int, int]], dtype: torch.dtype, passes: int = 7) -> float:
-    """Bytes/s of ``max`` over freshly written float32 tensors of the byte sizes of weights of
-    these shapes and dtype (best pass). float32: its ``max`` is vectorized on every CPU, where a
-    bfloat16 one converts element by element and measures the conversion instead."""
-    tensors = [torch.ones(rows * cols * dtype.itemsize // 4) for rows, cols in shapes]
+def weight_bytes_per_step(engine: LLMEngine, shapes: list[tuple[int, int]], dtype) -> list[int]:
+    """Bytes of each weight a decode step reads: every matrix product's weight, the LM head's
+    included (the embedding gives only a few rows). Quantized layers count their quantized bytes
+    (values, scales and mins)."""
+    from engine.layers import MatmulLayer
+
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, MatmulLayer)]
+    quantized = [m.quantized for m in layers if m.quant_bits]
+    if not quantized:
+        return [rows * cols * dtype.itemsize for rows, cols in shapes]
+    if len(quantized) != len(layers):
+        raise RuntimeError("some products kept float weights: count them by hand")
+    return [q.nbytes for q in quantized if q is not None]
+
+
+def read_bandwidth(sizes: list[int], passes: int = 7) -> float:
+    """Bytes/s of ``max`` over freshly written float32 tensors of these byte sizes (the weights a
+    step reads; best pass). float32: its ``max`` is vectorized on every CPU, where a bfloat16 one
+    converts element by element and measures the conversion instead."""
+    tensors = [torch.ones(size // 4) for size in sizes]
     num_bytes = sum(t.numel() * t.element_size() for t in tensors)
     best = float("inf")
     for _ in range(passes):
@@ -169,7 +186,7 @@ def _run_server(args: argparse.Namespace, port: int, log_path: str, workload: An
     command = [
         sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())",
         "serve", args.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
-        "--log-level", "info",
+        "--quantization", args.quantization, "--log-level", "info",
     ]  # fmt: skip
     log_file = open(log_path, "w")  # noqa: SIM115 - the server's whole life
     server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO)
@@ -220,7 +237,9 @@ def main() -> int:
     parser.add_argument("--decode-steps", type=int, default=48)
     parser.add_argument("--prefill-prompts", type=int, default=64)
     parser.add_argument("--served-requests", type=int, default=64)
+    parser.add_argument("--quantization", default="none", help="none, int8, int4 or auto")
     parser.add_argument("--skip-served", action="store_true", help="no server run")
+    parser.add_argument("--skip-prefill", action="store_true", help="no prefill run")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -232,6 +251,7 @@ def main() -> int:
             dtype=args.dtype,
             compile=True,
             kv_cache_memory="2GiB",
+            quantization=args.quantization,
         )
     )
     ready = time.perf_counter() - start
@@ -240,15 +260,17 @@ def main() -> int:
     config = engine.model_config
     dtype = getattr(torch, engine.config.dtype)
     shapes = weight_shapes(config)
-    weight_bytes = sum(rows * cols for rows, cols in shapes) * dtype.itemsize
+    weight_sizes = weight_bytes_per_step(engine, shapes, dtype)
+    weight_bytes = sum(weight_sizes)
 
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; torch {torch.__version__}")
     print(
         f"model: {engine.model_name} ({config.num_layers} layers, hidden {config.hidden_size}), "
-        f"{engine.config.dtype}; ready in {ready:.1f} s, graphs compiled after {compiled:.1f} s "
+        f"{engine.config.dtype}, quantization {engine.config.quantization.method}; "
+        f"ready in {ready:.1f} s, graphs compiled after {compiled:.1f} s "
         f"({engine.runner.graphs.mode})"
     )
-    bandwidth = read_bandwidth(shapes, dtype)
+    bandwidth = read_bandwidth(weight_sizes)
     flops = matmul_flops(dtype)
     print(
         f"limits: read {bandwidth / 1e9:.1f} GB/s over {weight_bytes / 1e6:.0f} MB of weights; "
@@ -268,13 +290,19 @@ def main() -> int:
         ("32 streams decoding, ctx 256", f"{32 / many:.0f} tok/s ({many * 1e3:.0f} ms/step)",
          f"{one * 32 / many:.1f}x one stream ({1 / one:.1f} tok/s)", ">= 4x")
     )  # fmt: skip
-    prefill = prefill_tokens_per_second(engine, args.prefill_prompts, 512)
-    per_token = flops_per_prompt_token(config, mean_context=256)
+    eight = decode_step_seconds(engine, 8, 256, args.decode_steps)
     rows.append(
-        (f"prefill {args.prefill_prompts} x 512", f"{prefill:.0f} tok/s",
-         f"{prefill / (flops / per_token):.0%} of the matmul bound "
-         f"({flops / per_token:.0f} tok/s at {per_token / 1e6:.0f} MFLOP/token)", ">= 50%")
+        ("8 streams decoding, ctx 256", f"{8 / eight:.0f} tok/s ({eight * 1e3:.0f} ms/step)",
+         f"{one * 8 / eight:.1f}x one stream", "")
     )  # fmt: skip
+    if not args.skip_prefill:
+        prefill = prefill_tokens_per_second(engine, args.prefill_prompts, 512)
+        per_token = flops_per_prompt_token(config, mean_context=256)
+        rows.append(
+            (f"prefill {args.prefill_prompts} x 512", f"{prefill:.0f} tok/s",
+             f"{prefill / (flops / per_token):.0%} of the matmul bound "
+             f"({flops / per_token:.0f} tok/s at {per_token / 1e6:.0f} MFLOP/token)", ">= 50%")
+        )  # fmt: skip
     if not args.skip_served:
         served, offline = served_vs_offline(engine, args)
         rows.append(

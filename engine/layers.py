@@ -87,15 +87,27 @@ class MatmulLayer(QuantizableWeight):
                 self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.quant_bits:  # float32 in and out: the weights' exact values, float32 sums
-            out = torch.ops.splitfuse_cpu.quant_linear(
-                x.float().contiguous(),
-                self.qweight,
-                self.qscales,
-                self.qmins,
-                self.quant_bits,
-                self.quant_group_size,
-            ).to(x.dtype)
+        if self.quant_bits:
+            if x.is_cuda:  # Triton, in x's dtype with float32 sums
+                from kernels.triton_quant_linear import triton_quant_linear
+
+                out = triton_quant_linear(
+                    x,
+                    self.qweight,
+                    self.qscales,
+                    self.qmins,
+                    self.quant_bits,
+                    self.quant_group_size,
+                )
+            else:  # float32 in and out: the weights' exact values, float32 sums
+                out = torch.ops.splitfuse_cpu.quant_linear(
+                    x.float().contiguous(),
+                    self.qweight,
+                    self.qscales,
+                    self.qmins,
+                    self.quant_bits,
+                    self.quant_group_size,
+                ).to(x.dtype)
             return out if bias is None else out + bias
         if self.packed_weight is None:
             return F.linear(x, self.weight, bias)

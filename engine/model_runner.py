@@ -130,7 +130,7 @@ class ModelRunner:
         from kernels.quant_cpu import load as load_quantized_product
 
         start = time.perf_counter()
-        kind = load_quantized_product()
+        kind = "triton" if self.device.type == "cuda" else load_quantized_product()
         self.quantization_counts = counts = quantize_model(
             self.model,
             quantization.bits,

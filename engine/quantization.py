@@ -148,13 +148,24 @@ class QuantizedTensor:
         return dequantize_groups(self.qweight, self.scales, self.mins, self.bits, self.group_size)
 
     @classmethod
-    def empty(cls, num_rows: int, num_cols: int, bits: int, group_size: int) -> QuantizedTensor:
+    def empty(
+        cls,
+        num_rows: int,
+        num_cols: int,
+        bits: int,
+        group_size: int,
+        device: torch.device | None = None,
+    ) -> QuantizedTensor:
+        """A zero weight (each part to be filled by ``copy_``)."""
         check_group_size(num_cols, group_size)
         num_groups = num_cols // group_size
         qweight = torch.zeros(
-            num_rows, num_cols * bits // 8, dtype=torch.uint8 if bits == 4 else torch.int8
+            num_rows,
+            num_cols * bits // 8,
+            dtype=torch.uint8 if bits == 4 else torch.int8,
+            device=device,
         )
-        scales = torch.zeros(num_rows, num_groups, dtype=torch.float16)
+        scales = torch.zeros(num_rows, num_groups, dtype=torch.float16, device=device)
         mins = torch.zeros_like(scales) if bits == 4 else None
         return cls(qweight, scales, mins, bits, group_size)
 
@@ -255,7 +266,7 @@ def quantize_model(
             continue
         if path not in holders:
             holders[path] = QuantizedTensor.empty(
-                *module.weight.shape, tensor.bits, tensor.group_size
+                *module.weight.shape, tensor.bits, tensor.group_size, module.weight.device
             )
         with torch.no_grad():
             module.weight.weight_loader(holders[path], tensor, shard_id)  # type: ignore[operator]
@@ -290,16 +301,15 @@ def quantize_model(
 
 
 def resolve_quantization(config: QuantizationConfig, device: torch.device) -> QuantizationConfig:
-    """``auto`` -> int4 on a CPU where the quantized product is native code, else none. Raises
-    ValueError where the device cannot run quantized weights."""
+    """``auto`` -> int4 on a CPU where the quantized product is native code, else none (GPUs:
+    int8 and int4 are asked for by name; they run the Triton product)."""
     method = config.method
     if method == "auto":
         from kernels.quant_cpu import load
 
         native = device.type == "cpu" and load() != "torch"
         method = "int4" if native else "none"
-    if method != "none" and device.type != "cpu":
-        raise ValueError(
-            f"quantization {method} runs on CPUs; on {device.type} serve with quantization none"
-        )
-    return config.model_copy(update={"method": method})
+    updates: dict[str, object] = {"method": method}
+    if method == "none":
+        updates["group_size"] = None
+    return config.model_copy(update=updates)

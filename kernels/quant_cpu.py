@@ -32,7 +32,7 @@ def _build() -> str:
         name=_EXTENSION,
         sources=[str(_SOURCE_DIR / "quant_linear.cpp")],
         extra_include_paths=[str(_SOURCE_DIR)],
-        extra_cflags=["-O3", "-ffp-contract=fast"],
+        extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"],
         extra_ldflags=[],
         is_python_module=False,
         verbose=os.environ.get("SPLITFUSE_VERBOSE_BUILD") == "1",

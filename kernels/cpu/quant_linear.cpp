@@ -16,14 +16,50 @@
 #include <string>
 #include <vector>
 
+namespace {
+// A float16 (its bits) as a float: normals, subnormals, zeros, infinities and NaNs.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while ((mantissa & 0x400) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+}  // namespace
+
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 namespace splitfuse_avx512 {
 #define SF_LANES 16
 #define SF_ROW_TILE 4
 typedef float vfloat __attribute__((vector_size(64)));
 typedef int32_t vint __attribute__((vector_size(64)));
 static inline float lane_sum(vfloat v) { return _mm512_reduce_add_ps((__m512)v); }
+static inline void halves_to_floats(const uint16_t* in, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(in[i]);
+}
 static inline vint load_u8(const uint8_t* p) {
   return (vint)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -37,7 +73,7 @@ static inline vint load_s8(const int8_t* p) {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace splitfuse_avx2 {
 #define SF_LANES 8
 #define SF_ROW_TILE 2
@@ -47,6 +83,12 @@ static inline float lane_sum(vfloat v) {
   __m128 half = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+static inline void halves_to_floats(const uint16_t* in, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(in[i]);
 }
 static inline vint load_u8(const uint8_t* p) {
   return (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -66,6 +108,9 @@ namespace splitfuse_sse2 {
 typedef float vfloat __attribute__((vector_size(16)));
 typedef int32_t vint __attribute__((vector_size(16)));
 static inline float lane_sum(vfloat v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+static inline void halves_to_floats(const uint16_t* in, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(in[i]);
+}
 static inline vint load_u8(const uint8_t* p) { return (vint){p[0], p[1], p[2], p[3]}; }
 static inline vint load_s8(const int8_t* p) { return (vint){p[0], p[1], p[2], p[3]}; }
 #include "quant_linear_body.h"
@@ -88,7 +133,8 @@ ColumnsFn pick_columns_fn() {
   if (limit != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     return splitfuse_avx512::quant_linear_columns;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
     return splitfuse_avx2::quant_linear_columns;
   return splitfuse_sse2::quant_linear_columns;
 }

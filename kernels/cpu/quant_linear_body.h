@@ -1,7 +1,8 @@
 // The body of the weight-only quantized product, compiled once per instruction set: the including
 // file wraps it in `#pragma GCC target` and a namespace of its own, and defines SF_LANES (floats
 // per vector), SF_ROW_TILE (rows of x per micro-kernel call), the vector types vfloat and vint
-// (SF_LANES floats / int32s), lane_sum (the sum of a vfloat's lanes) and load_u8 / load_s8 (SF_LANES bytes widened to a vint: a plain
+// (SF_LANES floats / int32s), lane_sum (the sum of a vfloat's lanes), halves_to_floats (n
+// float16s as floats; n a multiple of SF_LANES is fastest) and load_u8 / load_s8 (SF_LANES bytes widened to a vint: a plain
 // vector conversion of bytes compiles to scalar code). The rest is GCC vector extensions, so one
 // source becomes AVX-512, AVX2 or SSE2 code.
 //
@@ -48,31 +49,6 @@ static void dequantize_row_8bit(const int8_t* qrow, const float* scales, int64_t
       store(out + k, __builtin_convertvector(load_s8(qrow + k), vfloat) * scale);
     }
   }
-}
-
-// A float16 (its bits) as a float: normals, subnormals, zeros, infinities and NaNs.
-static inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exponent = (h >> 10) & 0x1f;
-  uint32_t mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000 | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: normalize
-    exponent = 113;
-    while ((mantissa & 0x400) == 0) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
-  }
-  float value;
-  __builtin_memcpy(&value, &bits, sizeof value);
-  return value;
 }
 
 // out[r, t] = sum_k x[r, k] * w[t, k] for ROWS rows of x and COLS rows of w (w: COLS x K floats).
@@ -128,10 +104,8 @@ static void quant_linear_columns(const float* x, int64_t M, int64_t K, int64_t N
     const int cols = static_cast<int>(col_end - n < kColTile ? col_end - n : kColTile);
     for (int c = 0; c < cols; ++c) {
       const int64_t row = n + c;
-      for (int64_t g = 0; g < num_groups; ++g) {
-        row_scales[g] = half_to_float(scales[row * num_groups + g]);
-        if (bits == 4) row_mins[g] = half_to_float(mins[row * num_groups + g]);
-      }
+      halves_to_floats(scales + row * num_groups, num_groups, row_scales);
+      if (bits == 4) halves_to_floats(mins + row * num_groups, num_groups, row_mins);
       if (bits == 4)
         dequantize_row_4bit(static_cast<const uint8_t*>(qweight) + row * (K / 2), row_scales,
                             row_mins, K, group_size, buffer + c * K);

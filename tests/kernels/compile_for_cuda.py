@@ -17,7 +17,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import triton_attention, triton_rms_norm, triton_rotary, triton_store_kv  # noqa: E402
+from kernels import (  # noqa: E402
+    triton_attention,
+    triton_quant_linear,
+    triton_rms_norm,
+    triton_rotary,
+    triton_store_kv,
+)
 
 TARGETS = (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32))
 
@@ -93,6 +99,13 @@ def main() -> int:
         {"positions_ptr": "*i64", "query_ptr": "*bf16", "key_ptr": "*bf16", "cos_sin_ptr": "*fp32"},
         {"HALF": 32, "HALF_PADDED": 32, "HEADS_PADDED": 16, "KV_HEADS_PADDED": 4},
     )
+    for dtype, bits, block_m in (("bf16", 4, 16), ("fp16", 8, 32), ("fp32", 4, 16)):
+        compile_kernel(
+            triton_quant_linear._quant_linear_kernel,
+            {"x_ptr": f"*{dtype}", "q_ptr": "*u8" if bits == 4 else "*i8",
+             "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": f"*{dtype}"},
+            {"BITS": bits, "GROUP": 32, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 32},
+        )  # fmt: skip
     return 0
 
 

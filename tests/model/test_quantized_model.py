@@ -142,3 +142,31 @@ def test_the_default_model_in_int4_runs_the_numbers_of_its_gguf_file(default_mod
         assert diff < LOGITS_ATOL * max(1.0, scale), (
             f"sequence {name}: {diff:.2e} (scale {scale:.1f})"
         )
+
+
+def test_tensor_parallel_quantized_logits_equal_one_process(tmp_path):
+    """Each rank quantizes its shard; a shard holds whole groups (here uneven head splits: 32 and
+    64 input columns of o_proj), so the ranks multiply by the numbers one process does."""
+    model_dir = make_tiny_model(tmp_path, "llama", hidden_size=96, num_heads=6, num_kv_heads=3)
+    common = dict(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=16,
+        block_size=4,
+        num_threads=1,
+        quantization="int4",
+    )
+    single = LLMEngine(EngineConfig(**common))
+    sharded = LLMEngine(EngineConfig(tp=2, **common))
+    try:
+        rng = random.Random(3)
+        vocab = single.model_config.vocab_size
+        sequences = {name: [rng.randrange(vocab) for _ in range(n)] for name, n in LENGTHS.items()}
+        want = ragged_logits(single, sequences)
+        got = ragged_logits(sharded, sequences)
+    finally:
+        sharded.shutdown()
+    for name in sequences:
+        diff = (got[name] - want[name]).abs().max().item()
+        assert diff < LOGITS_ATOL, f"sequence {name}: tp=2 vs tp=1 {diff:.2e}"
