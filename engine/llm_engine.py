@@ -59,7 +59,7 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         backend = resolve_attention_backend(config.attention_backend, device)
-        quantization = resolve_quantization(config.quantization, device)
+        quantization = resolve_quantization(config.quantization, device, dtype)
         model_config = ModelConfig.from_dir(model_dir)
         check_tensor_parallel(model_config, config.tensor_parallel_size)
         max_model_len = config.max_model_len or model_config.max_context_len

@@ -88,15 +88,22 @@ class ServerConfig(BaseModel):
         description="a request header naming the request's tenant (set by a trusted gateway); "
         "otherwise the API key is the tenant",
     )
-    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(compile=True))
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig(compile=True, quantization="auto")
+    )
 
     @field_validator("engine", mode="before")
     @classmethod
-    def _compile_by_default(cls, value: Any) -> Any:
+    def _server_defaults(cls, value: Any) -> Any:
         """A server compiles its step graphs unless told not to (``compile: false``): in the
-        background, serving eagerly until they are ready."""
-        if isinstance(value, Mapping) and "compile" not in value:
-            return {**value, "compile": True}
+        background, serving eagerly until they are ready. Its quantization is ``auto`` unless
+        given (``engine/quantization.py``: int4 where the CPU has no bfloat16 hardware)."""
+        if isinstance(value, Mapping):
+            defaults = {"compile": True, "quantization": "auto"}
+            aliases = {"quantization": ("quantization", "quant")}
+            for name, default in defaults.items():
+                if not any(key in value for key in aliases.get(name, (name,))):
+                    value = {**value, name: default}
         return value
 
     @field_validator("max_body_bytes", mode="before")

@@ -183,7 +183,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t num_tiles = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
   at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(4 * K + 2 * num_groups);
+    std::vector<float> buffer(4 * (K + 2 * num_groups));
     columns_fn(x_ptr, M, K, N, q_ptr, s_ptr, m_ptr, static_cast<int>(bits), group_size, begin * 4,
                std::min(end * 4, N), buffer.data(), out_ptr);
   });
