@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import dataclasses
+import io
 import math
 import os
 import sys
@@ -53,7 +55,8 @@ PROMPTS = [
 
 
 def evaluation_text() -> str:
-    import this  # noqa: F401 - prints the Zen of Python once; its text is ROT13 in this.s
+    with contextlib.redirect_stdout(io.StringIO()):  # importing ``this`` prints it
+        import this  # noqa: F401 - its text is ROT13 in this.s
 
     zen = codecs.decode(sys.modules["this"].s, "rot13")
     return TEXT_FILE.read_text() + "\n" + zen
@@ -95,7 +98,7 @@ def main() -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     default = ["float32/none", "float32/int8", "float32/int4"]
     if cpu_runs_bf16():
-        default.insert(1, "bfloat16/none")
+        default[1:1] = ["bfloat16/none", "bfloat16/int4"]
     parser.add_argument("--configs", nargs="+", default=default, metavar="DTYPE/QUANTIZATION")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()

@@ -99,9 +99,10 @@ class MatmulLayer(QuantizableWeight):
                     self.quant_bits,
                     self.quant_group_size,
                 )
-            else:  # float32 in and out: the weights' exact values, float32 sums
+            else:  # float32 (or bfloat16) in, float32 out, float32 sums
+                x_in = x if x.dtype == torch.bfloat16 else x.float()
                 out = torch.ops.splitfuse_cpu.quant_linear(
-                    x.float().contiguous(),
+                    x_in.contiguous(),
                     self.qweight,
                     self.qscales,
                     self.qmins,

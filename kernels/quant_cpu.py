@@ -2,8 +2,11 @@
 from ``kernels/cpu/`` by torch's extension builder (once; ``make install`` builds it, later
 imports load the cached library), with a PyTorch fallback where no C++ compiler is there.
 
-``quant_linear(x, qweight, scales, mins, bits, group_size)``: x [M, K] float32 times the
-dequantized weight [N, K] transposed -> [M, N] float32 (layouts in ``engine/quantization.py``).
+``quant_linear(x, qweight, scales, mins, bits, group_size)``: x [M, K] float32 or bfloat16 times
+the dequantized weight [N, K] transposed -> [M, N] float32 (layouts in ``engine/quantization.py``).
+float32 sums of exact products, except for bfloat16 rows (more than one) on CPUs with AVX-512
+BF16: there the weight is rounded to bfloat16 (what a bfloat16 copy of the float weight holds)
+and multiplied in hardware.
 """
 
 from __future__ import annotations
@@ -53,14 +56,14 @@ def _define_fallback() -> None:
 
     def quant_linear(x, qweight, scales, mins, bits, group_size):  # type: ignore[no-untyped-def]
         weight = dequantize_groups(qweight, scales, mins, bits, group_size)
-        return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(x.float(), weight)
 
     library.impl("quant_linear", quant_linear, "CPU")
 
 
 def load() -> str:
-    """Makes ``torch.ops.splitfuse_cpu.quant_linear`` available; returns what runs it: "avx512",
-    "avx2" or "sse2" (the C++ operator) or "torch" (the fallback)."""
+    """Makes ``torch.ops.splitfuse_cpu.quant_linear`` available; returns what runs it:
+    "avx512_bf16", "avx512", "avx2" or "sse2" (the C++ operator) or "torch" (the fallback)."""
     with _lock:
         if "kind" in _state:
             return str(_state["kind"])
@@ -75,7 +78,7 @@ def load() -> str:
 
         @torch.library.register_fake("splitfuse_cpu::quant_linear")
         def _fake(x, qweight, scales, mins, bits, group_size):  # type: ignore[no-untyped-def]
-            return x.new_empty((x.shape[0], qweight.shape[0]))
+            return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
         _state["kind"] = kind
         return kind

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -102,6 +103,99 @@ static inline vint load_s8(const int8_t* p) {
 }  // namespace splitfuse_avx2
 #pragma GCC pop_options
 
+// Rows of bfloat16 x on CPUs with AVX-512 BF16: the weight tile is dequantized to float (exact),
+// rounded to bfloat16 (the numbers a bfloat16 copy of the float weights holds) and multiplied
+// with VDPBF16PS, two products per lane per instruction, float32 sums.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")
+namespace splitfuse_avx512_bf16 {
+
+static void floats_to_bf16(const float* in, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
+}
+
+template <int ROWS, int COLS>
+static void micro_kernel(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out,
+                         int64_t ldo) {
+  __m512 acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[COLS];
+    for (int c = 0; c < COLS; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * K + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * ldx + k);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int COLS>
+static void all_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* out,
+                     int64_t ldo) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) micro_kernel<4, COLS>(x + r * K, K, w, K, out + r * ldo, ldo);
+  switch (M - r) {
+    case 3: micro_kernel<3, COLS>(x + r * K, K, w, K, out + r * ldo, ldo); break;
+    case 2: micro_kernel<2, COLS>(x + r * K, K, w, K, out + r * ldo, ldo); break;
+    case 1: micro_kernel<1, COLS>(x + r * K, K, w, K, out + r * ldo, ldo); break;
+    default: break;
+  }
+}
+
+// As quant_linear_columns, x in bfloat16. The columns go in chunks of kChunk: a chunk's weight
+// rows are dequantized once into `weights` (kChunk * K bfloat16s, in the L2 cache), then
+// multiplied with blocks of x rows small enough for the L1 cache, so that neither the weight
+// nor x is read from further away once per output tile. `buffer` holds K + 2 * K / group_size
+// floats.
+constexpr int64_t kChunk = 256;
+
+static void quant_linear_columns(const uint16_t* x, int64_t M, int64_t K, int64_t N,
+                                 const void* qweight, const uint16_t* scales,
+                                 const uint16_t* mins, int bits, int64_t group_size,
+                                 int64_t col_begin, int64_t col_end, float* buffer,
+                                 uint16_t* weights, float* out) {
+  const int64_t num_groups = K / group_size;
+  float* row_scales = buffer + K;
+  float* row_mins = row_scales + num_groups;
+  const int64_t block_rows = std::max<int64_t>(4, (24 * 1024 / (2 * K)) / 4 * 4);
+  for (int64_t chunk = col_begin; chunk < col_end; chunk += kChunk) {
+    const int64_t chunk_end = std::min(chunk + kChunk, col_end);
+    for (int64_t row = chunk; row < chunk_end; ++row) {
+      splitfuse_avx512::halves_to_floats(scales + row * num_groups, num_groups, row_scales);
+      if (bits == 4) {
+        splitfuse_avx512::halves_to_floats(mins + row * num_groups, num_groups, row_mins);
+        splitfuse_avx512::dequantize_row_4bit(static_cast<const uint8_t*>(qweight) + row * (K / 2),
+                                              row_scales, row_mins, K, group_size, buffer);
+      } else {
+        splitfuse_avx512::dequantize_row_8bit(static_cast<const int8_t*>(qweight) + row * K,
+                                              row_scales, K, group_size, buffer);
+      }
+      floats_to_bf16(buffer, K, weights + (row - chunk) * K);
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
+      const int64_t rows = std::min(block_rows, M - r0);
+      for (int64_t n = chunk; n < chunk_end; n += 4) {
+        const uint16_t* w = weights + (n - chunk) * K;
+        float* o = out + r0 * N + n;
+        switch (std::min<int64_t>(4, chunk_end - n)) {
+          case 4: all_rows<4>(x + r0 * K, rows, K, w, o, N); break;
+          case 3: all_rows<3>(x + r0 * K, rows, K, w, o, N); break;
+          case 2: all_rows<2>(x + r0 * K, rows, K, w, o, N); break;
+          default: all_rows<1>(x + r0 * K, rows, K, w, o, N); break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace splitfuse_avx512_bf16
+#pragma GCC pop_options
+
 namespace splitfuse_sse2 {
 #define SF_LANES 4
 #define SF_ROW_TILE 2
@@ -140,8 +234,12 @@ ColumnsFn pick_columns_fn() {
 }
 
 const ColumnsFn columns_fn = pick_columns_fn();
+// bfloat16 rows multiply in bfloat16 where the CPU has AVX-512 BF16 and the AVX-512 body runs
+const bool bf16_dot = columns_fn == splitfuse_avx512::quant_linear_columns &&
+                      __builtin_cpu_supports("avx512bf16");
 
 std::string instruction_set() {
+  if (bf16_dot) return "avx512_bf16";
   if (columns_fn == splitfuse_avx512::quant_linear_columns) return "avx512";
   if (columns_fn == splitfuse_avx2::quant_linear_columns) return "avx2";
   return "sse2";
@@ -150,8 +248,9 @@ std::string instruction_set() {
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group_size) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "quant_linear: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear: x must be a contiguous float32 or bfloat16 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
               "quant_linear: group_size ", group_size, " must be a multiple of 32 dividing K=", K);
@@ -171,9 +270,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   if (bits == 4) check_scales(*mins, "mins");
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quant_linear: CPU tensors only");
 
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
-  const float* x_ptr = x.data_ptr<float>();
   const void* q_ptr = qweight.data_ptr();
   const auto* s_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* m_ptr =
@@ -182,6 +280,20 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   // Threads share the output columns in whole tiles of 4 (a tile's rows are dequantized once).
   const int64_t num_tiles = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
+  if (x.scalar_type() == at::kBFloat16 && M > 1 && bf16_dot) {
+    const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> buffer(K + 2 * num_groups);
+      std::vector<uint16_t> weights(splitfuse_avx512_bf16::kChunk * K);
+      splitfuse_avx512_bf16::quant_linear_columns(
+          x_ptr, M, K, N, q_ptr, s_ptr, m_ptr, static_cast<int>(bits), group_size, begin * 4,
+          std::min(end * 4, N), buffer.data(), weights.data(), out_ptr);
+    });
+    return out;
+  }
+  // float32 sums of exact products: x widened to float32 (exact from bfloat16)
+  const at::Tensor x_float = x.to(at::kFloat).contiguous();
+  const float* x_ptr = x_float.data_ptr<float>();
   at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(4 * (K + 2 * num_groups));
     columns_fn(x_ptr, M, K, N, q_ptr, s_ptr, m_ptr, static_cast<int>(bits), group_size, begin * 4,

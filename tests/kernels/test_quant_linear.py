@@ -84,6 +84,27 @@ def test_the_product_equals_linear_on_the_dequantized_weight(bits, group_size, n
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("num_rows", [1, 7, 64])
+def test_bfloat16_rows_multiply_the_bfloat16_rounded_weight_or_the_exact_one(bits, num_rows):
+    """One row: the exact weight in float32. More rows where the CPU multiplies bfloat16 in
+    hardware: the weight rounded to bfloat16, as a bfloat16 copy of the float weight holds it;
+    elsewhere the exact weight."""
+    kind = load()
+    torch.manual_seed(num_rows)
+    quantized = quantize(torch.randn(45, 256), bits, 32)
+    x = torch.randn(num_rows, 256).bfloat16()
+    got = torch.ops.splitfuse_cpu.quant_linear(
+        x, quantized.qweight, quantized.scales, quantized.mins, bits, 32
+    )
+    weight = quantized.dequantize()
+    if kind == "avx512_bf16" and num_rows > 1:
+        weight = weight.bfloat16()
+    want = F.linear(x.double(), weight.double())
+    assert got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_the_product_refuses_what_it_cannot_read():
     load()
     quantized = quantize(torch.randn(8, 64), 4, 32)
@@ -94,7 +115,7 @@ def test_the_product_refuses_what_it_cannot_read():
         )
     with pytest.raises(RuntimeError, match="4-bit weights need mins"):
         torch.ops.splitfuse_cpu.quant_linear(x, quantized.qweight, quantized.scales, None, 4, 32)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.splitfuse_cpu.quant_linear(
             x.double(), quantized.qweight, quantized.scales, quantized.mins, 4, 32
         )
