@@ -86,7 +86,7 @@ class QuantizedTensor:
 
     def __getitem__(self, index: object) -> QuantizedTensor:
         if isinstance(index, slice):
-            return self._map(lambda t: t[index], rows=True)
+            return self._map(lambda t: t[index])
         if (
             isinstance(index, tuple)
             and len(index) == 2
@@ -110,7 +110,8 @@ class QuantizedTensor:
             )
         raise TypeError(f"a QuantizedTensor is indexed by rows or by columns, not {index!r}")
 
-    def _map(self, fn, rows: bool) -> QuantizedTensor:  # type: ignore[no-untyped-def]
+    def _map(self, fn) -> QuantizedTensor:  # type: ignore[no-untyped-def]
+        """``fn`` applied to each of the tensors (the same rows of each)."""
         return QuantizedTensor(
             fn(self.qweight),
             fn(self.scales),
@@ -121,10 +122,10 @@ class QuantizedTensor:
 
     def take_rows(self, rows: torch.Tensor) -> QuantizedTensor:
         """The output rows ``rows`` (an index tensor), in that order."""
-        return self._map(lambda t: t[rows], rows=True)
+        return self._map(lambda t: t[rows])
 
     def contiguous(self) -> QuantizedTensor:
-        return self._map(lambda t: t.contiguous(), rows=True)
+        return self._map(lambda t: t.contiguous())
 
     def copy_(self, other: QuantizedTensor) -> None:
         if (other.bits, other.group_size) != (self.bits, self.group_size):
