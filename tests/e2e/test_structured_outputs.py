@@ -275,6 +275,28 @@ def test_required_and_named_tool_choice(client: openai.OpenAI) -> None:
     _validate_calls(named.message.tool_calls, {"get_time"})
 
 
+def test_parallel_calls(client: openai.OpenAI) -> None:
+    """Two cities asked for, parallel calls allowed: the model calls the tool once per city (a
+    reply cut by max_tokens may end in a call whose arguments it could not finish)."""
+    reply = _chat(
+        client,
+        messages=[
+            {"role": "user", "content": "I need the weather in two cities: Paris, then Tokyo."}
+        ],
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=True,
+        max_tokens=90,
+        temperature=0.0,
+    ).choices[0]
+    calls = reply.message.tool_calls
+    complete = calls if reply.finish_reason == "tool_calls" else calls[:-1]
+    assert len(complete) >= 2, reply
+    _validate_calls(complete, {"get_weather"})
+    cities = [json.loads(call.function.arguments)["city"] for call in complete[:2]]
+    assert cities == ["Paris", "Tokyo"]
+
+
 def test_auto_without_need_answers_in_text(client: openai.OpenAI) -> None:
     reply = _chat(
         client,
