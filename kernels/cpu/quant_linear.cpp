@@ -1,9 +1,12 @@
-// splitfuse::quant_linear: x [M, K] float32 times a weight-only quantized [N, K] weight (4-bit
-// asymmetric or 8-bit symmetric, float16 scales per group), out [M, N] float32. The weight is
-// dequantized one tile of output rows at a time into a per-thread buffer that stays in the L1
-// cache, then multiplied with every row of x; so the weight's bytes are read once per call, which
-// is what bounds a decode step. The body is compiled for AVX-512, AVX2 and SSE2 and the widest
-// one the CPU runs is picked once.
+// splitfuse_cpu::quant_linear: x [M, K] (float32 or bfloat16) times a weight-only quantized
+// [N, K] weight (4-bit asymmetric or 8-bit symmetric, float16 scales per group), out [M, N]
+// float32. Threads share the output columns; the weight's bytes are read once per call, which is
+// what bounds a decode step.
+//   one row:   the weight is dequantized in registers and multiplied at once (gemv_*)
+//   more rows: a tile of weight rows is dequantized into a per-thread buffer in the L1 cache and
+//              multiplied with every row of x (float32), or, for bfloat16 x on CPUs with
+//              AVX-512 BF16, rounded to bfloat16 and multiplied with VDPBF16PS
+// The body is compiled for AVX-512, AVX2 and SSE2, and the widest one the CPU runs is picked once.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -11,8 +14,8 @@
 
 #include <immintrin.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -56,9 +59,11 @@ static inline float lane_sum(vfloat v) { return _mm512_reduce_add_ps((__m512)v);
 static inline void halves_to_floats(const uint16_t* in, int64_t n, float* out) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+    _mm512_storeu_ps(
+        out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    _mm256_storeu_ps(
+        out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
   for (; i < n; ++i) out[i] = _cvtsh_ss(in[i]);
 }
 static inline vint load_u8(const uint8_t* p) {
@@ -88,7 +93,8 @@ static inline float lane_sum(vfloat v) {
 static inline void halves_to_floats(const uint16_t* in, int64_t n, float* out) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    _mm256_storeu_ps(
+        out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
   for (; i < n; ++i) out[i] = _cvtsh_ss(in[i]);
 }
 static inline vint load_u8(const uint8_t* p) {

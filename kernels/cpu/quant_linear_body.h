@@ -2,16 +2,9 @@
 // file wraps it in `#pragma GCC target` and a namespace of its own, and defines SF_LANES (floats
 // per vector), SF_ROW_TILE (rows of x per micro-kernel call), the vector types vfloat and vint
 // (SF_LANES floats / int32s), lane_sum (the sum of a vfloat's lanes), halves_to_floats (n
-// float16s as floats; n a multiple of SF_LANES is fastest) and load_u8 / load_s8 (SF_LANES bytes widened to a vint: a plain
-// vector conversion of bytes compiles to scalar code). The rest is GCC vector extensions, so one
-// source becomes AVX-512, AVX2 or SSE2 code.
-//
-// Weight layouts, per output row n ([N, K] logically, groups of `group_size` along K):
-//   4-bit: qweight [N, K/2] uint8. Each run of 32 values is 16 bytes; byte j holds value j in its
-//          low nibble and value j+16 in its high nibble (GGUF's Q4_0/Q4_1 order). A value q in
-//          [0, 15] means scale * q + min, with scale and min float16 per group ([N, K/G] each).
-//   8-bit: qweight [N, K] int8; a value q in [-128, 127] means scale * q (scale float16 per group).
-// Every group is a whole number of 32-value runs, so K is a multiple of 32 and of SF_LANES.
+// float16s as floats) and load_u8 / load_s8 (SF_LANES bytes widened to a vint: a plain vector
+// conversion of bytes compiles to scalar code). The rest is GCC vector extensions, so one source
+// becomes AVX-512, AVX2 or SSE2 code.
 
 static inline vfloat load(const float* p) {
   vfloat v;
@@ -182,10 +175,18 @@ static void quant_linear_columns(const float* x, int64_t M, int64_t K, int64_t N
     }
     if (M == 1) {
       switch (cols) {
-        case 4: gemv_columns<4>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out); break;
-        case 3: gemv_columns<3>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out); break;
-        case 2: gemv_columns<2>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out); break;
-        default: gemv_columns<1>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out); break;
+        case 4:
+          gemv_columns<4>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out);
+          break;
+        case 3:
+          gemv_columns<3>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out);
+          break;
+        case 2:
+          gemv_columns<2>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out);
+          break;
+        default:
+          gemv_columns<1>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out);
+          break;
       }
       continue;
     }
