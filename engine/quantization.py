@@ -235,13 +235,16 @@ def quantize_model(
     tensor, e.g. a GGUF file's blocks) holds in that layout is taken from it, sharded like the
     float one; the others are quantized from the float weights. Returns counts: ``stored``,
     ``quantized``, ``kept`` (left in float: no group size fits them) and ``bytes``."""
-    from engine.layers import MatmulLayer, QuantizableWeight, VocabParallelEmbedding
+    from engine.layers import (
+        MatmulLayer,
+        ParallelLMHead,
+        QuantizableWeight,
+        VocabParallelEmbedding,
+    )
 
     def layout(module: QuantizableWeight) -> tuple[int, int] | None:
         num_cols = module.weight.shape[1]
-        if isinstance(module, VocabParallelEmbedding) or getattr(module, "shares_weight", False):
-            return (8, RUN) if embeddings and num_cols % RUN == 0 else None
-        if getattr(module, "vocab_size", None) is not None:  # an untied LM head
+        if isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
             return (8, RUN) if embeddings and num_cols % RUN == 0 else None
         size = group_size or num_cols
         if size % RUN or num_cols % size:

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.quantization import check_group_size
+
 
 @triton.jit
 def _quant_linear_kernel(
@@ -87,8 +89,7 @@ def triton_quant_linear(
     """x [M, K] @ dequantized(weight [N, K])^T -> [M, N] in x's dtype."""
     num_rows, num_cols = x.shape
     num_out = qweight.shape[0]
-    if num_cols % 32 or group_size % 32 or num_cols % group_size:
-        raise ValueError(f"K={num_cols} and group_size={group_size} must be multiples of 32")
+    check_group_size(num_cols, group_size)  # whole runs of 32: BLOCK_K never straddles a group
     x = x.contiguous()
     out = torch.empty(num_rows, num_out, dtype=x.dtype, device=x.device)
     block_m = 16 if num_rows <= 16 else 32

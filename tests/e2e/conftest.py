@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -124,15 +125,23 @@ def probe_livez(url: str, count: int = 100) -> list[float]:
 
 class ServerProcess:
     """``splitfuse serve`` in its own process: what its ``/livez`` does under load is the
-    server's alone, not shared (one GIL) with the threads of the test that loads it."""
+    server's alone, not shared (one GIL) with the threads of the test that loads it. ``flags``
+    are added to its command line; ``SPLITFUSE_*`` variables other than the cache's are not
+    passed on, so the flags alone set it up."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, *flags: str) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "server.cli", "serve", str(model_dir),
                    "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "64MiB",
-                   "--no-compile", "--num-threads", "1", "--log-level", "warning"]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                   "--no-compile", "--num-threads", "1", "--log-level", "warning",
+                   *flags]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITFUSE_")}
+        if os.environ.get("SPLITFUSE_CACHE"):
+            env["SPLITFUSE_CACHE"] = os.environ["SPLITFUSE_CACHE"]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+        )
         wait_ready(self.url, self.process)
 
     def num_running(self) -> float:

@@ -5,11 +5,8 @@ validation, the tenant header, and the probes while draining."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +16,7 @@ import httpx
 import pytest
 
 from server.runner import ServerThread
-from tests.e2e.conftest import free_port, wait_ready
+from tests.e2e.conftest import ServerProcess
 from tests.e2e.test_load import SlowStepEngine
 
 KEYS = ("flood-key", "chat-key")  # tenants key1 (the flood) and key2 (the interactive one)
@@ -33,35 +30,6 @@ FLOOD_CLIENTS = 16
 FLOOD_PROMPT_TOKENS = 900
 FLOOD_PROMPTS_PER_REQUEST = 8
 NUM_INTERACTIVE = 30
-
-
-class _Server:
-    """``splitfuse serve`` on the tiny model in a process of its own, with two API keys."""
-
-    def __init__(self, model_dir: Path, *flags: str) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port",
-                   str(port), "--dtype", "float32", "--kv-cache-memory", "64MiB", "--no-compile",
-                   "--log-level", "warning", "--num-threads", "1", "--api-key", KEYS[0],
-                   "--api-key", KEYS[1],
-                   *flags]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITFUSE_")}
-        env["SPLITFUSE_CACHE"] = os.environ.get("SPLITFUSE_CACHE", "")
-        if not env["SPLITFUSE_CACHE"]:
-            del env["SPLITFUSE_CACHE"]
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
-        )
-        wait_ready(self.url, self.process)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 def _flood_and_measure(url: str) -> dict[str, list[float]]:
@@ -121,14 +89,17 @@ def _p99(values: list[float]) -> float:
 
 
 @pytest.fixture
-def fair_server(tiny_llama_dir: Path) -> Iterator[_Server]:
-    server = _Server(tiny_llama_dir, "--scheduling-policy", "priority", "--fair-share")
+def fair_server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess(
+        tiny_llama_dir, "--api-key", KEYS[0], "--api-key", KEYS[1],
+        "--scheduling-policy", "priority", "--fair-share",
+    )  # fmt: skip
     yield server
     server.stop()
 
 
 def test_a_high_priority_tenant_keeps_its_ttft_under_a_long_prompt_flood(
-    fair_server: _Server,
+    fair_server: ServerProcess,
 ) -> None:
     ttfts = _flood_and_measure(fair_server.url)
     interactive, flood = ttfts["interactive"], ttfts["flood"]
