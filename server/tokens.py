@@ -9,6 +9,8 @@ from typing import Any
 
 from server.errors import APIError
 
+# token-id lists at least this long are decoded with the GIL released (see TokenText.decode)
+_GIL_FREE_DECODE_MIN = 4096
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte fallback
 
 
@@ -67,7 +69,17 @@ class TokenText:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        # A fast tokenizer's ``decode`` holds the GIL throughout (~50 ms for 378k ids), which
+        # stalls the event loop's thread; its ``decode_batch`` releases it while it works and
+        # gives the same text, unless transformers' space clean-up must run after it.
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if (
+            len(token_ids) < _GIL_FREE_DECODE_MIN
+            or backend is None
+            or getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
+        ):
+            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
 
     def apply_chat_template(
         self,

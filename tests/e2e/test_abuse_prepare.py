@@ -9,7 +9,7 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -107,3 +107,14 @@ def test_token_ids_are_checked_as_before(client: httpx.Client) -> None:
     bad = client.post("/detokenize", json={"tokens": [1, "2"]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert client.post("/detokenize", json={"tokens": [5, 6]}).status_code == 200
+
+
+def test_a_long_detokenize_gives_the_tokenizers_own_text(
+    client: httpx.Client, tiny_tokenizer: Any
+) -> None:
+    """Long lists are decoded with the GIL released (another call of the tokenizer): same text,
+    special tokens skipped as before."""
+    ids = [*range(900), tiny_tokenizer.eos_token_id] * 20
+    response = client.post("/detokenize", json={"tokens": ids})
+    assert response.status_code == 200, response.text
+    assert response.json()["prompt"] == tiny_tokenizer.decode(ids, skip_special_tokens=True)
