@@ -24,14 +24,80 @@ def bytes_per_block(
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Memory available for new allocations: the GPU's free memory, or MemAvailable on a CPU."""
+    """Memory available for new allocations: the GPU's free memory; on a CPU, MemAvailable, or
+    less where the process's memory cgroup (a container's or pod's limit) leaves less."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; give kv_cache_memory in bytes")
+            available = int(line.split()[1]) * 1024
+            break
+    else:
+        raise RuntimeError(
+            "cannot read MemAvailable from /proc/meminfo; give kv_cache_memory in bytes"
+        )
+    cgroup = cgroup_available_bytes()
+    return available if cgroup is None else min(available, cgroup)
+
+
+def cgroup_available_bytes(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """What the memory cgroups holding this process still allow it: the smallest ``limit -
+    (usage - inactive file cache)`` over the process's cgroup and its ancestors that have a limit
+    (kubelet counts a pod's working set the same way: inactive page cache is reclaimed before the
+    limit is enforced). cgroup v2 and v1; None when no limit applies or none can be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    found: list[int] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:  # v2: one unified hierarchy
+            found += _cgroup_levels(root, path, "memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own tree
+            found += _cgroup_levels(
+                root / "memory",
+                path,
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "total_inactive_file",
+            )
+    return min(found) if found else None
+
+
+# cgroup v1 writes "no limit" as the largest page-aligned 63-bit number
+_NO_LIMIT = 2**62
+
+
+def _cgroup_levels(
+    mount: Path, path: str, limit_file: str, usage_file: str, inactive_key: str
+) -> list[int]:
+    """Available bytes at each level from the process's cgroup up to the mount's root that has a
+    limit. Inside a container the mount's root is often the process's own cgroup while
+    /proc/self/cgroup still names the host's path: levels that do not exist are skipped."""
+    parts = [part for part in path.strip("/").split("/") if part]
+    found = []
+    for depth in range(len(parts), -1, -1):
+        folder = mount.joinpath(*parts[:depth])
+        try:
+            raw_limit = (folder / limit_file).read_text().strip()
+            if raw_limit == "max" or int(raw_limit) >= _NO_LIMIT:
+                continue
+            usage = int((folder / usage_file).read_text())
+            inactive = 0
+            for stat in (folder / "memory.stat").read_text().splitlines():
+                key, _, value = stat.partition(" ")
+                if key == inactive_key:
+                    inactive = int(value)
+                    break
+        except (OSError, ValueError):
+            continue
+        found.append(max(0, int(raw_limit) - max(0, usage - inactive)))
+    return found
 
 
 def num_blocks_for_budget(
