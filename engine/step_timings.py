@@ -4,7 +4,8 @@ The runner times each forward pass and each sampling, the engine each step's sch
 (``schedule()`` plus ``update()``). On a GPU the device is synchronized before and after each
 phase, so the queued work is counted in the phase that queued it; that costs speed, which is why
 nothing is timed unless a ``StepTimings`` is attached (``init_inference``'s
-``profile_model_time()``, ``splitfuse bench --offline --profile``).
+``profile_model_time()``, ``splitfuse bench --offline --profile``). Each timed phase is also a
+``torch.profiler`` range, ``splitfuse.<phase>``, seen in a trace when a profiler records.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ class StepTimings:
     @contextmanager
     def measure(self, phase: Phase) -> Iterator[None]:
         """Adds the time the ``with`` body takes (its device work included) to ``phase``."""
-        self._synchronize()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
+        with torch.profiler.record_function(f"splitfuse.{phase}"):
             self._synchronize()
-            getattr(self, phase).append(time.perf_counter() - start)
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._synchronize()
+                getattr(self, phase).append(time.perf_counter() - start)
 
     def clear(self) -> None:
         self.forward.clear()
