@@ -40,7 +40,10 @@ def _padded(prompts: list[list[int]], left: list[bool]) -> tuple[torch.Tensor, t
 
 
 def _until_eos(token_ids: list[int], eos_token_id: int) -> list[int]:
-    return token_ids[: token_ids.index(eos_token_id) + 1] if eos_token_id in token_ids else token_ids
+    """The tokens up to the first EOS, included (transformers' single-prompt output)."""
+    if eos_token_id not in token_ids:
+        return token_ids
+    return token_ids[: token_ids.index(eos_token_id) + 1]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
