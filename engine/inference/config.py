@@ -117,9 +117,9 @@ class TensorParallelConfig(BaseModel):
 
 
 class MoEConfig(BaseModel):
-    """DeepSpeed's ``moe``: says the model has mixture-of-experts layers. Their experts run on
-    every rank (each rank holds its tensor-parallel shard of each); ``moe_experts``, when given,
-    must be the model's expert count."""
+    """DeepSpeed's ``moe``: says the model has mixture-of-experts layers, which its model class
+    (``engine/models``) runs; ``moe_experts``, when given, must be the model's expert count.
+    Expert parallelism (``ep_size`` > 1) is not supported."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -144,10 +144,7 @@ class MoEConfig(BaseModel):
     @classmethod
     def _no_expert_parallelism(cls, value: int) -> int:
         if value != 1:
-            raise ValueError(
-                f"ep_size {value}: expert parallelism is not supported (experts are split by "
-                "tensor_parallel.tp_size instead)"
-            )
+            raise ValueError(f"ep_size {value}: expert parallelism is not supported")
         return value
 
 

@@ -18,7 +18,7 @@ padded row.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -85,15 +85,17 @@ class InferenceEngine:
     # -- forward ----------------------------------------------------------------------------
 
     def __call__(self, input_ids: Any, attention_mask: Any | None = None) -> CausalLMOutput:
-        """Every position's logits, float32 ``[batch, seq, vocab_size]`` in ``.logits`` (like the
-        model's forward; no cache is returned). Padded positions' logits are 0. Rows run in as few
+        """Every position's logits, float32 ``[batch, seq, vocab_size]`` on the engine's device,
+        in ``.logits`` (like the model's forward; no cache is returned). Padded positions' logits
+        are 0. Rows run in as few
         forward passes as the step budget (``max_batch_tokens``) and the free KV blocks allow."""
         token_ids, rows = self._rows(input_ids, attention_mask)
         engine = self.llm_engine
         if engine.has_unfinished_requests():
             raise RuntimeError("the engine still has requests of an interrupted generate()")
         vocab_size = self.model_config.vocab_size
-        logits = torch.zeros(*token_ids.shape, vocab_size)  # [batch, seq, vocab]
+        device = engine.runner.device
+        logits = torch.zeros(*token_ids.shape, vocab_size, device=device)  # [batch, seq, vocab]
         for index, offset, chunk_logits in self._forward_rows([tokens for _, tokens in rows]):
             start = rows[index][0] + offset
             logits[index, start : start + chunk_logits.shape[0]] = chunk_logits
@@ -101,7 +103,7 @@ class InferenceEngine:
 
     forward = __call__
 
-    def _forward_rows(self, rows: list[list[int]]) -> Any:
+    def _forward_rows(self, rows: list[list[int]]) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Yields ``(row index, first token's index in the row, logits [tokens, vocab])`` per
         chunk of each row: rows whose blocks
         fit run together, in steps of at most ``max_batch_tokens`` tokens (a long row in several
