@@ -14,7 +14,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -47,7 +46,7 @@ def spawned_worker_main(
     num_threads: int,
     parent_pid: int,
     log_level: int,
-    state_dict: Mapping[str, torch.Tensor] | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Entry point of a worker spawned by rank 0 on the same machine. ``state_dict``: the
     weights of a model in rank 0's memory (in shared memory), instead of the model folder."""
@@ -89,15 +88,16 @@ def run_torchrun_worker(config: EngineConfig) -> int:
     return 0
 
 
-def run_worker(
-    setup: DistributedSetup, state_dict: Mapping[str, torch.Tensor] | None = None
-) -> None:
+def run_worker(setup: DistributedSetup, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Builds this rank's runner from rank 0's settings (and ``state_dict``'s tensors, for a
     model in memory), then serves steps until told to stop."""
     settings: list[Any] = [None]
     dist.broadcast_object_list(settings, src=0, group=setup.control_group)
     runner_kwargs = dict(settings[0], device=setup.device, parallel=setup.parallel)
     runner = ModelRunner(**runner_kwargs, state_dict=state_dict)
+    if state_dict is not None:
+        # this process's copy of the mapping: emptied, it unmaps the shared tensors here
+        state_dict.clear()
     logger.info(
         "rank %d of %d ready: %d KV blocks",
         setup.parallel.rank,
