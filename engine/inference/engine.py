@@ -18,7 +18,9 @@ padded row.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,20 +36,29 @@ from scheduler.sampling_params import SamplingParams
 
 
 def init_inference(
-    model: Any, config: InferenceConfig | dict[str, Any] | None = None, **kwargs: Any
+    model: Any,
+    config: InferenceConfig | dict[str, Any] | str | Path | None = None,
+    **kwargs: Any,
 ) -> InferenceEngine:
     """Runs ``model`` (a transformers causal LM of an architecture in ``engine.models``) on this
-    engine. ``config`` and ``kwargs`` are ``InferenceConfig`` fields, DeepSpeed's names accepted;
-    a field given in both must agree. Raises ValueError (pydantic's ValidationError) naming the
-    field on a bad configuration, and ModelConfigError for an unsupported model."""
+    engine. ``config`` (a dict, an ``InferenceConfig``, or a JSON file's path, as DeepSpeed takes
+    it) and ``kwargs`` are ``InferenceConfig`` fields, DeepSpeed's names accepted; a field given
+    in both must agree. Raises ValueError (pydantic's ValidationError) naming the field on a bad
+    configuration, and ModelConfigError for an unsupported model."""
     if isinstance(config, InferenceConfig):
         given = config.model_dump(exclude_unset=True)
     elif config is None:
         given = {}
     elif isinstance(config, dict):
         given = dict(config)
+    elif isinstance(config, (str, Path)):
+        given = json.loads(Path(config).read_text())
+        if not isinstance(given, dict):
+            raise ValueError(f"{config}: the configuration must be a JSON object")
     else:
-        raise TypeError(f"config must be an InferenceConfig or a dict, not {type(config).__name__}")
+        raise TypeError(
+            f"config must be an InferenceConfig, a dict or a JSON file, not {type(config).__name__}"
+        )
     for name, value in kwargs.items():
         if name in given and given[name] != value:
             raise ValueError(

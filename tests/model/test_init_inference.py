@@ -126,6 +126,18 @@ def test_bad_input_is_refused(tiny) -> None:
     assert engine(ids).logits.shape == (1, 4, vocab)
 
 
+def test_weights_quantized_in_deepspeed_form(tiny_llama_dir) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    quant = {"enabled": True, "weight": {"num_bits": 8, "group_size": 32}}
+    engine = init_inference(model, quant=quant, engine=ENGINE)
+    assert engine.llm_engine.runner.quantization_counts["quantized"] == 2 * 4 + 2
+    prompt = list(range(3, 24))
+    want = hf_logits(model, prompt)
+    scale = want.abs().max().item()
+    diff = (engine(torch.tensor([prompt])).logits[0] - want).abs().max().item()
+    assert diff < 0.05 * scale, f"int8: {diff:.2e} (scale {scale:.1f})"
+
+
 def test_unsupported_architecture_is_refused() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 

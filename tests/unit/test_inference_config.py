@@ -124,11 +124,18 @@ def test_config_is_frozen() -> None:
         config.enable_cuda_graph = True
 
 
-def test_config_and_keyword_arguments_must_agree() -> None:
+def test_config_and_keyword_arguments_must_agree(tmp_path) -> None:  # noqa: ANN001
     # refused before the model is looked at
     with pytest.raises(ValueError, match="conflicting 'dtype'"):
         init_inference(object(), {"dtype": "float16"}, dtype="float32")
     with pytest.raises(TypeError, match="expected a transformers model"):
         init_inference(object(), InferenceConfig(dtype="float32"), dtype="float32")
-    with pytest.raises(TypeError, match="config must be an InferenceConfig or a dict"):
-        init_inference(object(), "float32")
+    with pytest.raises(TypeError, match="config must be an InferenceConfig, a dict or a JSON"):
+        init_inference(object(), 16)
+    path = tmp_path / "ds_config.json"  # DeepSpeed's config file
+    path.write_text('{"dtype": "fp16", "tensor_parallel": {"tp_size": 1}}')
+    with pytest.raises(ValueError, match="conflicting 'dtype'"):
+        init_inference(object(), str(path), dtype="float32")
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        init_inference(object(), path)
