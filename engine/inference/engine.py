@@ -249,9 +249,10 @@ class InferenceEngine:
             )
         token_ids, rows = self._rows(input_ids, attention_mask)
         defaults = self._generation
-        max_new_tokens = max_new_tokens or _default(defaults, "max_new_tokens")
+        if max_new_tokens is None and max_length is None:
+            max_new_tokens = _default(defaults, "max_new_tokens")
         if max_new_tokens is None:
-            max_length = max_length or _default(defaults, "max_length") or 20
+            max_length = _pick(max_length, defaults, "max_length", 20)
             max_new_tokens = max_length - token_ids.shape[1]
         if max_new_tokens < 1:
             raise ValueError(

@@ -110,6 +110,9 @@ def test_bad_input_is_refused(tiny) -> None:
     ids = torch.tensor([[5, 6, 7, 8]])
     with pytest.raises(ValueError, match="beam search is not supported"):
         engine.generate(ids, num_beams=4)
+    with pytest.raises(ValueError, match="nothing to generate"):
+        engine.generate(ids, max_length=4)
+    assert engine.generate(ids, max_length=6, eos_token_id=[]).shape == (1, 6)
     with pytest.raises(ValueError, match="holes"):
         engine(ids, attention_mask=torch.tensor([[1, 0, 1, 1]]))
     with pytest.raises(ValueError, match="no tokens"):
