@@ -1,6 +1,8 @@
-"""The engine: models, the ragged forward over the paged KV cache, sampling, offline generation.
+"""The engine: models, the ragged forward over the paged KV cache, sampling, offline generation,
+and ``init_inference`` on a loaded transformers model.
 
-Heavy modules (torch, transformers) load on first use of ``LLM`` or ``LLMEngine``.
+Heavy modules (torch, transformers) load on first use of ``LLM``, ``LLMEngine`` or
+``init_inference``.
 """
 
 from __future__ import annotations
@@ -11,10 +13,18 @@ from engine.config import EngineConfig
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.inference import InferenceConfig, init_inference
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "InferenceConfig",
+    "LLMEngine",
+    "SamplingParams",
+    "init_inference",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,4 +36,8 @@ def __getattr__(name: str) -> Any:
         from engine.llm_engine import LLMEngine
 
         return LLMEngine
+    if name in ("init_inference", "InferenceConfig"):
+        import engine.inference
+
+        return getattr(engine.inference, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -10,11 +10,13 @@ Not thread-safe: one thread (the server's engine thread, or ``LLM.generate``) ca
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -26,6 +28,7 @@ from engine.model_config import ModelConfig
 from engine.model_resolver import resolve_model
 from engine.outputs import RequestOutput
 from engine.quantization import resolve_quantization
+from engine.step_timings import StepTimings
 from engine.structured_output import GrammarTokenizer
 from engine.tensor_parallel.sharding import check_tensor_parallel
 from kv_cache import KVCacheManager
@@ -49,18 +52,38 @@ class EngineStats:
     last_step_seconds: float
 
 
+@dataclass(frozen=True)
+class ModelInMemory:
+    """A model already built in this process (``engine.inference``), run instead of
+    ``config.model``'s folder: nothing is read from disk. Such an engine has no tokenizer: it
+    runs token ids (no structured outputs), and its EOS ids are the model config's."""
+
+    name: str
+    model_config: ModelConfig
+    state_dict: Mapping[str, torch.Tensor]  # by Hugging Face name
+
+
 class LLMEngine:
     """Loads the model, its tokenizer and KV cache; runs requests step by step."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, in_memory: ModelInMemory | None = None) -> None:
+        """``in_memory``: the model to run instead of ``config.model`` and ``config.tokenizer``."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        model_dir = resolve_model(config.model)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         backend = resolve_attention_backend(config.attention_backend, device)
         quantization = resolve_quantization(config.quantization, device, dtype)
-        model_config = ModelConfig.from_dir(model_dir)
+        if in_memory is None:
+            model_dir: Path | None = resolve_model(config.model)
+            model_config = ModelConfig.from_dir(model_dir)
+            model_name = DEFAULT_MODEL if config.model == DEFAULT_MODEL else model_dir.name
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+        else:
+            model_dir = None
+            model_config = in_memory.model_config
+            model_name = in_memory.name
+            tokenizer = None
         check_tensor_parallel(model_config, config.tensor_parallel_size)
         max_model_len = config.max_model_len or model_config.max_context_len
         if max_model_len > model_config.max_context_len:
@@ -71,7 +94,7 @@ class LLMEngine:
             )
         self.config = config.model_copy(
             update={
-                "model": str(model_dir),
+                "model": model_name if model_dir is None else str(model_dir),
                 "dtype": str(dtype).removeprefix("torch."),
                 "device": device.type,
                 "attention_backend": backend,
@@ -80,17 +103,19 @@ class LLMEngine:
             }
         )
         self.model_config = model_config
-        self.model_name = DEFAULT_MODEL if config.model == DEFAULT_MODEL else model_dir.name
+        self.model_name = model_name
         self.max_model_len = max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
-        eos_id = self.tokenizer.eos_token_id
+        self.tokenizer = tokenizer
+        eos_id = None if tokenizer is None else tokenizer.eos_token_id
         tokenizer_eos = (eos_id,) if eos_id is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys(model_config.eos_token_ids + tokenizer_eos)
         )
         # Structured outputs' grammars read the tokenizer's tokens as llguidance sees them.
-        self.grammar_tokenizer = GrammarTokenizer(
-            self.tokenizer, model_config.vocab_size, self.eos_token_ids
+        self.grammar_tokenizer = (
+            None
+            if tokenizer is None
+            else GrammarTokenizer(tokenizer, model_config.vocab_size, self.eos_token_ids)
         )
         blocks_per_seq = -(-max_model_len // config.block_size)
         runner_kwargs = dict(
@@ -107,12 +132,14 @@ class LLMEngine:
             seed=config.seed,
             compile=config.compile,
             quantization=quantization,
+            state_dict=None if in_memory is None else in_memory.state_dict,
         )
         self.executor = start_executor(
             config.tensor_parallel_size, runner_kwargs, config.num_threads
         )
         self.runner = self.executor.runner
-        self.runner.sampler.enable_structured_output(self.grammar_tokenizer)  # rank 0 samples
+        if self.grammar_tokenizer is not None:
+            self.runner.sampler.enable_structured_output(self.grammar_tokenizer)  # rank 0 samples
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.kv_manager = KVCacheManager(
             self.num_kv_blocks,
@@ -129,6 +156,20 @@ class LLMEngine:
         )
         self._last_step_num_tokens = 0
         self._last_step_seconds = 0.0
+        self.timings: StepTimings | None = None  # see profile()
+
+    def profile(self, enabled: bool) -> StepTimings | None:
+        """Starts (afresh) or stops timing each step's phases: forward passes and sampling on
+        rank 0's runner, scheduling here (``engine/step_timings.py``). Returns the timings being
+        recorded (None once stopped)."""
+        self.timings = StepTimings(self.runner.device) if enabled else None
+        self.runner.timings = self.timings
+        return self.timings
+
+    def _timed_scheduling(self) -> contextlib.AbstractContextManager[None]:
+        if self.timings is None:
+            return contextlib.nullcontext()
+        return self.timings.measure("scheduling")
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -162,6 +203,8 @@ class LLMEngine:
             if any(t >= vocab_size for t in token_ids):
                 raise ValueError(f"{name} holds token ids >= the vocabulary size {vocab_size}")
         if sampling_params.structured is not None:
+            if self.grammar_tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer; this engine has none")
             self.grammar_tokenizer.check(sampling_params.structured)
         request = Request(
             request_id,
@@ -199,7 +242,8 @@ class LLMEngine:
         failure is pinned to the requests that cause it: those fail (with a generic message and an
         error id; the exception is logged), their neighbours go on."""
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
+        with self._timed_scheduling():
+            batch = self.scheduler.schedule()
         if batch.is_empty:
             self.executor.drop_requests(list(batch.finished_request_ids))
             return []
@@ -220,7 +264,8 @@ class LLMEngine:
             if request is not None:
                 failed.append(_output(request, [], None, error=message))
         self.executor.drop_requests(list(dead_ends))
-        requests = self.scheduler.update(batch, token_ids)
+        with self._timed_scheduling():
+            requests = self.scheduler.update(batch, token_ids)
         outputs = failed
         # update() skips requests aborted since schedule(), so pair tokens by request id.
         by_id = dict(zip(batch.sample_request_ids, range(len(token_ids)), strict=True))

@@ -6,9 +6,11 @@ never touches a ``Request``; what it needs arrives in the batch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ from engine.parallel import SINGLE_PROCESS, ParallelContext
 from engine.quantization import quantize_model
 from engine.sampler import Sampler, SamplerOutput
 from engine.step_graphs import StepGraphs, compile_unsupported
+from engine.step_timings import Phase, StepTimings
 from engine.tensor_parallel.sharding import shard_heads
 from engine.weights import iterate_weights
 from kernels import AttentionMetadata, get_backend
@@ -53,7 +56,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model_dir: Path,
+        model_dir: Path | None,
         model_config: ModelConfig,
         *,
         dtype: torch.dtype,
@@ -68,8 +71,14 @@ class ModelRunner:
         parallel: ParallelContext = SINGLE_PROCESS,
         compile: bool = False,
         quantization: QuantizationConfig | None = None,
+        state_dict: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        """``quantization``: resolved (none, int8 or int4; see ``resolve_quantization``)."""
+        """The weights come from ``model_dir``'s files or, for a model already in this process
+        (``engine.inference``), from ``state_dict`` (tensors by Hugging Face name; ``model_dir``
+        is then None). ``quantization``: resolved (none, int8 or int4; see
+        ``resolve_quantization``)."""
+        if (model_dir is None) == (state_dict is None):
+            raise ValueError("give the weights as model_dir or as state_dict, not both or neither")
         self.model_config = model_config
         self.dtype = dtype
         self.device = device
@@ -87,12 +96,14 @@ class ModelRunner:
                 max_position=max_model_len,
                 parallel=parallel,
             )
-        self.model.load_weights(iterate_weights(model_dir))
+        self.model.load_weights(
+            iterate_weights(model_dir) if state_dict is None else state_dict.items()
+        )
         self.model.eval()
         self.quantization_counts: dict[str, int] = {}  # what quantize_model did, if it ran
         logger.info(
             "loaded %s (%s, %s) in %.1f s",
-            model_dir.name,
+            "a model in memory" if model_dir is None else model_dir.name,
             model_config.architecture,
             str(dtype).removeprefix("torch."),
             time.perf_counter() - start,
@@ -138,8 +149,13 @@ class ModelRunner:
         self.graphs = StepGraphs(self.model, compile, unsupported)
         self.graphs.start(self._dummy_step)
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)
+        # set while profiling: each forward pass and each sampling is timed into it
+        self.timings: StepTimings | None = None
 
-    def _quantize(self, model_dir: Path, quantization: QuantizationConfig) -> None:
+    def _timed(self, phase: Phase) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self.timings is None else self.timings.measure(phase)
+
+    def _quantize(self, model_dir: Path | None, quantization: QuantizationConfig) -> None:
         from kernels.quant_cpu import load as load_quantized_product
 
         start = time.perf_counter()
@@ -149,7 +165,7 @@ class ModelRunner:
             quantization.bits,
             quantization.group_size,
             quantization.embeddings == "int8",
-            read_quantized_file(model_dir),
+            {} if model_dir is None else read_quantized_file(model_dir),
         )
         release_free_memory()  # the float weights just given up
         logger.info(
@@ -195,7 +211,8 @@ class ModelRunner:
         # structured outputs: their grammar masks are filled while the forward pass runs
         self.sampler.start_masks(batch.sample_request_ids)
         logits = self.forward(batch)
-        return self.sampler.sample(logits, batch.sample_request_ids)
+        with self._timed("sampling"):
+            return self.sampler.sample(logits, batch.sample_request_ids)
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's logits for its sampling rows, float32 ``[num_sampled, vocab_size]``."""
@@ -204,11 +221,12 @@ class ModelRunner:
     def run(self, inputs: ModelInput) -> torch.Tensor:
         """One forward pass over the flat inputs: plans the step's attention (checks, indices),
         then runs the model as ``self.graphs`` decides."""
-        plan = self.backend.plan(
-            inputs.positions, inputs.metadata, self.kv_cache, self.max_position
-        )
-        with torch.inference_mode():
-            return self.graphs(inputs.input_ids, inputs.positions, plan, inputs.sample_rows)
+        with self._timed("forward"):
+            plan = self.backend.plan(
+                inputs.positions, inputs.metadata, self.kv_cache, self.max_position
+            )
+            with torch.inference_mode():
+                return self.graphs(inputs.input_ids, inputs.positions, plan, inputs.sample_rows)
 
     def drop_requests(self, request_ids: list[str]) -> None:
         """Forgets sampling state (for requests that ended outside a batch: aborts, errors)."""

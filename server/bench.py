@@ -1,7 +1,8 @@
 """Serving benchmark: fixed-seed random prompts of a given length, sent to an OpenAI-compatible
 ``/v1/completions`` at a fixed concurrency or a Poisson rate; reports throughput and latency
 percentiles (like ``vllm bench serve``). ``run_offline`` runs the same workload on an in-process
-engine, the reference for the server's overhead.
+engine, the reference for the server's overhead; ``run_offline_profiled`` runs it under
+``torch.profiler`` and adds each step's breakdown (forward, attention, sampling, scheduling).
 
 Latencies per request (streamed):
     ttft  arrival -> first token        itl  gaps between token-bearing chunks
@@ -17,11 +18,17 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 PERCENTILES = (50, 90, 99)
+# profiler events that are attention (its K/V store included): the torch backend's operator on
+# CPUs, the Triton backend's kernels on GPUs
+ATTENTION_CPU_EVENTS = ("splitfuse::attend",)
+ATTENTION_GPU_EVENTS = ("_paged_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel")
+TRACE_FILE = "trace.json"
 _OFFLINE_RUNS = itertools.count()
 
 
@@ -242,6 +249,67 @@ def run_offline(engine: Any, workload: Workload) -> dict[str, Any]:
     }
 
 
+def run_offline_profiled(
+    engine: Any, workload: Workload, trace_dir: Path | None = None
+) -> dict[str, Any]:
+    """``run_offline`` under ``torch.profiler`` with the engine's step timings on
+    (``engine/step_timings.py``). The summary gains ``profile``: milliseconds per step (the mean
+    over the run's forward passes) of the forward pass, attention within it (from the
+    profiler's events), sampling, scheduling and the rest of the step; with ``trace_dir``, the
+    profiler's Chrome trace is written to ``trace_dir/trace.json``. Both timings and the
+    profiler slow the steps down a little: the breakdown's shares are what it is for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = engine.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+    timings = engine.profile(True)
+    try:
+        with profile(activities=activities) as profiler:
+            summary = run_offline(engine, workload)
+    finally:
+        engine.profile(False)
+    attention_us = 0.0
+    for event in profiler.key_averages():
+        if on_gpu and event.key in ATTENTION_GPU_EVENTS:
+            attention_us += event.device_time_total
+        elif not on_gpu and event.key in ATTENTION_CPU_EVENTS:
+            attention_us += event.cpu_time_total
+    num_steps = max(1, len(timings.forward))
+    per_step = {
+        "forward_ms": 1e3 * sum(timings.forward) / num_steps,
+        "attention_ms": 1e-3 * attention_us / num_steps,
+        "sampling_ms": 1e3 * sum(timings.sampling) / num_steps,
+        "scheduling_ms": 1e3 * sum(timings.scheduling) / num_steps,
+    }
+    step_ms = 1e3 * summary["duration_s"] / num_steps
+    phases_ms = per_step["forward_ms"] + per_step["sampling_ms"] + per_step["scheduling_ms"]
+    per_step["other_ms"] = max(0.0, step_ms - phases_ms)
+    summary["profile"] = {"num_steps": len(timings.forward), "step_ms": step_ms, **per_step}
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(trace_dir / TRACE_FILE))
+        summary["profile"]["trace"] = str(trace_dir / TRACE_FILE)
+    return summary
+
+
+def format_profile(profile: dict[str, Any]) -> str:
+    """The per-step breakdown of ``run_offline_profiled`` as lines of text."""
+    step_ms = profile["step_ms"] or 1.0
+
+    def line(name: str, ms: float, note: str = "") -> str:
+        return f"{name:<12} {ms:9.2f} ms  {100 * ms / step_ms:5.1f}%{note}"
+
+    lines = [f"---- per step: mean of {profile['num_steps']} steps, {step_ms:.2f} ms each ----"]
+    lines.append(line("forward", profile["forward_ms"]))
+    lines.append(line("  attention", profile["attention_ms"], "  (within forward)"))
+    lines.append(line("sampling", profile["sampling_ms"]))
+    lines.append(line("scheduling", profile["scheduling_ms"]))
+    lines.append(line("other", profile["other_ms"], "  (inputs, outputs, the bench loop)"))
+    if "trace" in profile:
+        lines.append(f"Chrome trace: {profile['trace']} (chrome://tracing, ui.perfetto.dev)")
+    return "\n".join(lines)
+
+
 def format_report(summary: dict[str, Any], title: str) -> str:
     lines = [f"==== {title} ===="]
     lines.append(
@@ -259,4 +327,6 @@ def format_report(summary: dict[str, Any], title: str) -> str:
         )
     for error in summary.get("errors", []):
         lines.append(f"error: {error}")
+    if "profile" in summary:
+        lines.append(format_profile(summary["profile"]))
     return "\n".join(lines)

@@ -50,6 +50,19 @@ def register(subparsers: Any) -> None:
         default=True,
         help="compile the --offline engine's step graphs, as serve does (default: on)",
     )
+    add(
+        "--profile",
+        action="store_true",
+        help="--offline: run the measured workload under torch.profiler and print each step's "
+        "breakdown (forward, attention, sampling, scheduling)",
+    )
+    add(
+        "--profile-dir",
+        type=Path,
+        metavar="DIR",
+        help="--offline: write the measured workload's torch.profiler Chrome trace to "
+        "DIR/trace.json (implies --profile)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -63,11 +76,19 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--request-rate must be > 0"
     if args.vocab_size < 10:
         return "--vocab-size must be >= 10"
+    if (args.profile or args.profile_dir is not None) and not args.offline:
+        return "--profile and --profile-dir profile an in-process engine: they need --offline"
     return None
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.bench import Workload, format_report, run_against_server, run_offline
+    from server.bench import (
+        Workload,
+        format_report,
+        run_against_server,
+        run_offline,
+        run_offline_profiled,
+    )
 
     problem = _check(args)
     if problem:
@@ -107,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
         engine.wait_until_compiled()
         if args.warmup:
             run_offline(engine, warmup)
-        summary = run_offline(engine, workload)
+        if args.profile or args.profile_dir is not None:
+            summary = run_offline_profiled(engine, workload, args.profile_dir)
+        else:
+            summary = run_offline(engine, workload)
         title = f"offline engine {summary['model']}"
     else:
         try:

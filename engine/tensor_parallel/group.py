@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -237,12 +237,20 @@ def start_tensor_parallel(
 ) -> TensorParallelExecutor:
     """Starts ranks 1..world_size-1 on this machine (or joins torchrun's group as rank 0), sends
     them ``runner_kwargs`` (``ModelRunner`` arguments) and builds rank 0's runner. Every rank
-    loads only its shard."""
+    loads only its shard: from the model folder, or from a model in this process's memory
+    (``state_dict``), whose tensors the ranks started here read in shared memory (moved there
+    once by ``torch.multiprocessing``, never copied per rank)."""
     device: torch.device = runner_kwargs["device"]
+    state_dict = runner_kwargs.get("state_dict")
     if dist.is_initialized():
         raise RuntimeError("this process already runs a tensor-parallel engine; shut it down first")
     env = torchrun_environment()
     processes: list[BaseProcess] = []
+    if env is not None and state_dict is not None:
+        raise ValueError(
+            "a model in memory is sharded over ranks this process starts itself: run it in one "
+            "process, not under torchrun"
+        )
     if env is not None:
         if env.world_size != world_size or env.rank != 0:
             raise ValueError(
@@ -261,7 +269,7 @@ def start_tensor_parallel(
         ranks_here = world_size
         threads = threads_per_rank(num_threads, world_size)
         torch.set_num_threads(threads)
-        setup, processes = _spawn_workers(world_size, device.type, threads)
+        setup, processes = _spawn_workers(world_size, device.type, threads, state_dict)
     group = TensorParallelGroup(setup, processes)
     try:
         kwargs = dict(runner_kwargs, device=setup.device)
@@ -273,7 +281,10 @@ def start_tensor_parallel(
             kwargs["kv_cache_memory"] = (
                 budget / ranks_here if is_fraction else max(1, int(budget) // ranks_here)
             )
-        shared = {name: value for name, value in kwargs.items() if name != "device"}
+        # (the tensors went to the workers as they started)
+        shared = {
+            name: value for name, value in kwargs.items() if name not in ("device", "state_dict")
+        }
         dist.broadcast_object_list([shared], src=0, group=setup.control_group)
         runner = TensorParallelRunner(group, **kwargs)
     except BaseException as error:
@@ -291,7 +302,10 @@ def start_tensor_parallel(
 
 
 def _spawn_workers(
-    world_size: int, device_type: str, num_threads: int
+    world_size: int,
+    device_type: str,
+    num_threads: int,
+    state_dict: Mapping[str, torch.Tensor] | None,
 ) -> tuple[DistributedSetup, list[BaseProcess]]:
     store = open_loopback_store(world_size)
     context = mp.get_context("spawn")
@@ -308,6 +322,7 @@ def _spawn_workers(
                     num_threads,
                     os.getpid(),
                     logging.getLogger().getEffectiveLevel(),
+                    state_dict,
                 ),
                 name=f"splitfuse-tp-rank-{rank}",
                 daemon=True,

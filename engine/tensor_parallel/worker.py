@@ -46,8 +46,10 @@ def spawned_worker_main(
     num_threads: int,
     parent_pid: int,
     log_level: int,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Entry point of a worker spawned by rank 0 on the same machine."""
+    """Entry point of a worker spawned by rank 0 on the same machine. ``state_dict``: the
+    weights of a model in rank 0's memory (in shared memory), instead of the model folder."""
     logging.basicConfig(
         level=log_level,
         format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s",
@@ -59,7 +61,7 @@ def spawned_worker_main(
     store = connect_loopback_store(store_port, world_size)
     store.set(joining_key(rank), "1")
     setup = join_process_group(rank, world_size, device_type, store=store)
-    run_worker(setup)
+    run_worker(setup, state_dict)
 
 
 def run_torchrun_worker(config: EngineConfig) -> int:
@@ -86,12 +88,16 @@ def run_torchrun_worker(config: EngineConfig) -> int:
     return 0
 
 
-def run_worker(setup: DistributedSetup) -> None:
-    """Builds this rank's runner from rank 0's settings, then serves steps until told to stop."""
+def run_worker(setup: DistributedSetup, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Builds this rank's runner from rank 0's settings (and ``state_dict``'s tensors, for a
+    model in memory), then serves steps until told to stop."""
     settings: list[Any] = [None]
     dist.broadcast_object_list(settings, src=0, group=setup.control_group)
     runner_kwargs = dict(settings[0], device=setup.device, parallel=setup.parallel)
-    runner = ModelRunner(**runner_kwargs)
+    runner = ModelRunner(**runner_kwargs, state_dict=state_dict)
+    if state_dict is not None:
+        # this process's copy of the mapping: emptied, it unmaps the shared tensors here
+        state_dict.clear()
     logger.info(
         "rank %d of %d ready: %d KV blocks",
         setup.parallel.rank,

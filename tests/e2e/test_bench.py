@@ -54,3 +54,31 @@ def test_bench_unreachable_server_fails_cleanly(capsys) -> None:  # noqa: ANN001
     code = main(["bench", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"])
     assert code == 1
     assert "splitfuse bench" in capsys.readouterr().err
+
+
+def test_bench_offline_profile_writes_breakdown_and_trace(
+    tiny_llama_dir: Path, tmp_path: Path, capsys
+) -> None:  # noqa: ANN001
+    output = tmp_path / "offline.json"
+    trace_dir = tmp_path / "trace"
+    code = main(
+        ["bench", "--offline", str(tiny_llama_dir), "--dtype", "float32", "--kv-cache-memory",
+         "16MiB", "--num-prompts", "3", "--input-len", "12", "--output-len", "3",
+         "--vocab-size", "1000", "--warmup", "0", "--no-compile", "--profile",
+         "--profile-dir", str(trace_dir), "--output", str(output)]
+    )  # fmt: skip
+    assert code == 0
+    profile = json.loads(output.read_text())["profile"]
+    assert profile["num_steps"] == 3  # the prompts together, then a decode step per token
+    assert profile["forward_ms"] > profile["attention_ms"] > 0
+    assert profile["sampling_ms"] > 0 and profile["scheduling_ms"] > 0
+    trace = json.loads((trace_dir / "trace.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert {"splitfuse.forward", "splitfuse.sampling", "splitfuse::attend"} <= names
+    report = capsys.readouterr().out
+    assert "per step" in report and "attention" in report and "trace.json" in report
+
+
+def test_bench_profile_needs_offline(capsys) -> None:  # noqa: ANN001
+    assert main(["bench", "--profile"]) == 2
+    assert "need --offline" in capsys.readouterr().err
