@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import ModelConfig
+from engine.moe_packed import PackedExperts, can_pack_experts
 from engine.parallel import ParallelContext
 from kernels import AttentionBackend
 from kernels.torch_moe import route_topk
@@ -113,6 +114,10 @@ class StackedExperts(nn.Module):
 
     w_gate_up [num_experts, 2 * local_size, hidden]   local gate rows, then local up rows
     w_down    [num_experts, hidden, local_size]
+
+    ``forward(x, topk_weights, topk_ids)`` runs the backend's ``moe_experts``, or on a CPU, once
+    ``pack_weights()`` has run, the same grouping on oneDNN-packed weights
+    (``engine/moe_packed.py``).
     """
 
     def __init__(
@@ -121,9 +126,12 @@ class StackedExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         dtype: torch.dtype,
+        backend: AttentionBackend,
         parallel: ParallelContext,
     ) -> None:
         super().__init__()
+        self.backend = backend
+        self.packed: PackedExperts | None = None
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -157,6 +165,26 @@ class StackedExperts(nn.Module):
         _checked_shape(loaded, (self.hidden_size, self.intermediate_size), "expert down")
         param[expert].copy_(loaded[:, self.local_start : self.local_start + self.local_size])
 
+    def pack_weights(self) -> None:
+        """Call once, after loading, as for ``MatmulLayer``: the experts then multiply with
+        packed copies (where the CPU packs their dtype), and the stacked parameters give their
+        storage up."""
+        if self.packed is None and can_pack_experts(self.w_gate_up):
+            self.packed = PackedExperts(self.w_gate_up, self.w_down)
+            self.w_gate_up.data = self.w_gate_up.data.new_empty(0)
+            self.w_down.data = self.w_down.data.new_empty(0)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k], x's dtype
+        topk_ids: torch.Tensor,  # [num_tokens, top_k] int64
+    ) -> torch.Tensor:
+        """This rank's partial sums of the routed experts' weighted outputs [num_tokens, hidden]."""
+        if self.packed is not None:
+            return torch.ops.splitfuse.packed_moe_experts(x, self.packed, topk_weights, topk_ids)
+        return self.backend.moe_experts(x, self.w_gate_up, self.w_down, topk_weights, topk_ids)
+
     def expected_shard_ids(self, param_name: str) -> range:
         """The shard ids a checkpoint must fill for ``param_name`` (``w_gate_up`` or ``w_down``)."""
         per_expert = 2 if param_name == "w_gate_up" else 1
@@ -177,14 +205,13 @@ class SparseMoeBlock(nn.Module):
         shared_expert: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.backend = backend
         self.parallel = parallel
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         hidden_size = config.hidden_size
         self.gate = ReplicatedLinear(hidden_size, config.num_experts, dtype)
         self.experts = StackedExperts(
-            config.num_experts, hidden_size, config.moe_intermediate_size, dtype, parallel
+            config.num_experts, hidden_size, config.moe_intermediate_size, dtype, backend, parallel
         )
         self.shared_expert = shared_expert
         self.shared_expert_gate = (
@@ -194,10 +221,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)  # [num_tokens, num_experts]
         topk_weights, topk_ids = route_topk(router_logits, self.top_k, self.renormalize)
-        out = self.backend.moe_experts(
-            x, self.experts.w_gate_up, self.experts.w_down, topk_weights.to(x.dtype), topk_ids
-        )  # this rank's partial sums
-        out = self.parallel.all_reduce(out)
+        out = self.parallel.all_reduce(self.experts(x, topk_weights.to(x.dtype), topk_ids))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["moe_experts", "route_topk"]
+__all__ = ["add_pairs", "moe_experts", "route_topk", "sort_pairs"]
 
 
 def route_topk(
@@ -91,6 +91,32 @@ def moe_experts(
     return torch.ops.splitfuse.moe_experts(hidden, w_gate_up, w_down, topk_weights, topk_ids)
 
 
+def sort_pairs(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int64
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``(order, token_of_pair, counts)``: the pair ids sorted by expert (stable), the token of
+    each sorted pair, and the number of pairs per expert (one host read). With the module
+    docstring's example: order [1, 2, 3, 5, 0, 4], tokens [0, 1, 1, 2, 0, 2], counts [2, 2, 2]."""
+    expert_of_pair = topk_ids.reshape(-1)  # [num_pairs]
+    order = torch.argsort(expert_of_pair, stable=True)
+    counts = torch.bincount(expert_of_pair, minlength=num_experts).tolist()
+    return order, order // topk_ids.shape[1], counts
+
+
+def add_pairs(
+    pair_out: torch.Tensor,  # [num_pairs, hidden], sorted order
+    topk_weights: torch.Tensor,  # [num_tokens, top_k]
+    order: torch.Tensor,
+    token_of_pair: torch.Tensor,
+) -> torch.Tensor:
+    """Each sorted pair's output scaled by its routing weight and added into its token's row:
+    ``[num_tokens, hidden]`` (in place on ``pair_out``)."""
+    pair_out *= topk_weights.reshape(-1)[order, None]
+    out = pair_out.new_zeros(topk_weights.shape[0], pair_out.shape[1])
+    return out.index_add_(0, token_of_pair, pair_out)
+
+
 def _moe_experts(
     hidden: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -98,12 +124,8 @@ def _moe_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    top_k = topk_ids.shape[1]
-    num_experts, intermediate = w_down.shape[0], w_down.shape[2]
-    expert_of_pair = topk_ids.reshape(-1)  # [num_pairs]
-    order = torch.argsort(expert_of_pair, stable=True)  # pairs sorted by expert
-    counts = torch.bincount(expert_of_pair, minlength=num_experts).tolist()  # one host read
-    token_of_pair = order // top_k  # [num_pairs], sorted order
+    intermediate = w_down.shape[2]
+    order, token_of_pair, counts = sort_pairs(topk_ids, w_down.shape[0])
     sorted_hidden = hidden[token_of_pair]  # [num_pairs, hidden]
     pair_out = torch.empty_like(sorted_hidden)
     start = 0
@@ -115,9 +137,7 @@ def _moe_experts(
         activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
         pair_out[rows] = F.linear(activated, w_down[expert])
         start += count
-    pair_out *= topk_weights.reshape(-1)[order, None]
-    out = torch.zeros_like(hidden)
-    return out.index_add_(0, token_of_pair, pair_out)
+    return add_pairs(pair_out, topk_weights, order, token_of_pair)
 
 
 def _moe_experts_shape(

@@ -30,8 +30,9 @@ from kernels.torch_moe import check_moe_inputs
 
 __all__ = ["align_pairs", "triton_moe_experts"]
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # The interpreter's tl.dot gives wrong results on bfloat16 operands: dot in float32 there only.
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+INTERPRET = tl.constexpr(_INTERPRETED)
 
 
 @triton.jit
@@ -123,7 +124,7 @@ def align_pairs(
 
 def _block_m(num_pairs: int) -> int:
     """Rows per block: small for decode steps (few pairs per expert), larger for prompts."""
-    return 16 if num_pairs <= 256 or INTERPRET else 64
+    return 16 if num_pairs <= 256 or _INTERPRETED else 64
 
 
 def _launch(
@@ -138,8 +139,8 @@ def _launch(
 ) -> None:
     sorted_pairs, block_experts, num_padded = aligned
     num_n, num_k = b.shape[1], b.shape[2]
-    block_n = 32 if INTERPRET else 64
-    block_k = 32 if INTERPRET else 64
+    block_n = 32 if _INTERPRETED else 64  # the interpreter: small tiles, partial ones tested
+    block_k = 32 if _INTERPRETED else 64
     grid = (block_experts.numel(), triton.cdiv(num_n, block_n))
     _moe_matmul_kernel[grid](
         a, b, out, weights, sorted_pairs, block_experts, num_padded,

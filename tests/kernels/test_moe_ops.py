@@ -122,3 +122,24 @@ def test_triton_fused_moe_equals_the_torch_op(dtype, num_tokens, top_k) -> None:
     want = _per_token(x, w_gate_up, w_down, topk_weights, topk_ids)
     assert got.dtype == dtype and got.shape == (num_tokens, hidden)
     assert (got.cpu().double() - want).abs().max() <= RTOL[dtype] * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_equal_the_per_token_definition(dtype) -> None:
+    """The CPU path on oneDNN-packed weights (``engine/moe_packed.py``), where this CPU packs
+    the dtype."""
+    from engine.moe_packed import PackedExperts, can_pack_experts
+
+    w_gate_up, w_down = _experts(4, 32, 48, seed=9)
+    w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
+    if not can_pack_experts(w_gate_up):
+        pytest.skip(f"this CPU does not pack {dtype} weights")
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(4)).to(dtype)
+    router = torch.randn(7, 4, generator=torch.Generator().manual_seed(5))
+    topk_weights, topk_ids = route_topk(router, 2, renormalize=True)
+    got = torch.ops.splitfuse.packed_moe_experts(
+        x, PackedExperts(w_gate_up, w_down), topk_weights.to(dtype), topk_ids
+    )
+    want = _per_token(x, w_gate_up, w_down, topk_weights, topk_ids)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert (got.double() - want).abs().max() <= RTOL[dtype] * want.abs().max()
