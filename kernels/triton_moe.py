@@ -37,16 +37,16 @@ INTERPRET = tl.constexpr(_INTERPRETED)
 
 @triton.jit
 def _moe_matmul_kernel(
-    a_ptr,  # [num_a_rows, K]: row r holds pair p's input where r = p // A_ROWS_PER_ROW
-    b_ptr,  # [num_experts, N, K]
-    c_ptr,  # [num_pairs, N], contiguous
+    a_ptr,  # [num_a_rows, num_k]: pair p's input is row p // A_ROWS_PER_ROW
+    b_ptr,  # [num_experts, num_n, num_k]
+    c_ptr,  # [num_pairs, num_n], contiguous
     weights_ptr,  # [num_pairs] routing weights, read when MUL_WEIGHT
     sorted_pairs_ptr,  # [max_padded] pair ids by expert, padding = num_pairs
     block_experts_ptr,  # [max_padded / BLOCK_M] expert of each block of rows
     num_padded_ptr,  # [1] rows in use of sorted_pairs
     num_pairs,
-    N,
-    K,
+    num_n,  # output columns
+    num_k,  # inner dimension
     stride_am,
     stride_be,
     stride_bn,
@@ -66,12 +66,12 @@ def _moe_matmul_kernel(
     valid = pairs < num_pairs
     a_rows = (pairs // A_ROWS_PER_ROW).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    mask_n = offs_n < num_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_base = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, num_k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = offs_k < num_k
         a = tl.load(
             a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
             mask=valid[:, None] & mask_k[None, :],
@@ -87,7 +87,7 @@ def _moe_matmul_kernel(
     if MUL_WEIGHT:
         weights = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
         acc = acc * weights[:, None]
-    c = c_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
+    c = c_ptr + pairs[:, None].to(tl.int64) * num_n + offs_n[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
