@@ -85,6 +85,12 @@ class LLMEngine:
             model_name = in_memory.name
             tokenizer = None
         check_tensor_parallel(model_config, config.tensor_parallel_size)
+        if model_config.num_experts and quantization.bits:
+            raise ValueError(
+                f"quantization {config.quantization.method!r} is not supported for "
+                f"mixture-of-experts models ({model_config.architecture}): their experts are not "
+                "quantized; set quantization to none"
+            )
         max_model_len = config.max_model_len or model_config.max_context_len
         if max_model_len > model_config.max_context_len:
             raise ValueError(

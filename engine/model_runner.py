@@ -26,6 +26,7 @@ from engine.kv_cache_memory import (
 from engine.layers import MatmulLayer
 from engine.model_config import ModelConfig
 from engine.models import MODEL_CLASSES
+from engine.moe import StackedExperts
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 from engine.quantization import quantize_model
 from engine.sampler import Sampler, SamplerOutput
@@ -143,7 +144,7 @@ class ModelRunner:
             time.perf_counter() - start,
         )
         for module in self.model.modules():
-            if isinstance(module, MatmulLayer):
+            if isinstance(module, (MatmulLayer, StackedExperts)):
                 module.pack_weights()  # on a CPU: oneDNN layout, once
         unsupported = compile_unsupported(device, attention_backend, parallel.world_size)
         self.graphs = StepGraphs(self.model, compile, unsupported)

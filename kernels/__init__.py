@@ -4,7 +4,8 @@
 ``get_backend("triton")`` the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``), imported
 only when asked for. Both have the shape of ``AttentionBackend``: ``plan`` once per step (checks,
 indices), ``rope`` once per step, then per layer ``rms_norm``, ``rotary`` and ``attend`` (the K/V
-store and paged attention; ``store_kv`` and ``paged_attention`` are its two halves).
+store and paged attention; ``store_kv`` and ``paged_attention`` are its two halves), and in
+mixture-of-experts layers ``moe_experts`` (``kernels/torch_moe.py``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,15 @@ class AttentionBackend(Protocol):
         eps: float,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def moe_experts(
+        self,
+        hidden: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor: ...
 
 
 def get_backend(name: str) -> AttentionBackend:

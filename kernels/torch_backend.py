@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBase
 
+import kernels.torch_moe  # noqa: F401 (registers the operator splitfuse::moe_experts)
 from kernels.checks import (
     KernelInputError,
     check_attention_inputs,
@@ -176,6 +177,18 @@ class TorchBackend:
         summed = x if residual is None else x + residual
         normed = F.rms_norm(summed.float(), (x.shape[-1],), eps=eps)  # x * rsqrt(mean(x^2) + eps)
         return normed.to(x.dtype) * weight.to(x.dtype), summed
+
+    def moe_experts(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        w_gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
+        w_down: torch.Tensor,  # [num_experts, hidden, intermediate]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k], hidden's dtype
+        topk_ids: torch.Tensor,  # [num_tokens, top_k] int64
+    ) -> torch.Tensor:
+        """The routed experts' weighted SwiGLU, summed per token (``kernels/torch_moe.py``): the
+        operator ``splitfuse::moe_experts``, unchecked (the model's own tensors)."""
+        return torch.ops.splitfuse.moe_experts(hidden, w_gate_up, w_down, topk_weights, topk_ids)
 
 
 def _store_kv(

@@ -25,6 +25,7 @@ from kernels.checks import (
 )
 from kernels.metadata import AttentionMetadata
 from kernels.triton_attention import launch_paged_attention
+from kernels.triton_moe import triton_moe_experts
 from kernels.triton_rms_norm import launch_rms_norm
 from kernels.triton_rotary import launch_rotary_embedding
 from kernels.triton_store_kv import launch_store_kv
@@ -164,6 +165,18 @@ class TritonBackend:
         _check_device(x)
         result = launch_rms_norm(x, weight, eps, residual)
         return (result, x) if residual is None else result  # type: ignore[return-value]
+
+    def moe_experts(
+        self,
+        hidden: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed experts' weighted SwiGLU (see ``TorchBackend.moe_experts``), checked."""
+        _check_device(hidden)
+        return triton_moe_experts(hidden, w_gate_up, w_down, topk_weights, topk_ids)
 
 
 def _check_rows(num_tokens: int, metadata: AttentionMetadata) -> None:

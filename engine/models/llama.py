@@ -1,8 +1,11 @@
-"""The Llama family (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2) over the paged KV cache.
+"""The Llama family (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2) and its mixture-of-experts
+relatives (Mixtral, Qwen2-MoE, Qwen3-MoE) over the paged KV cache.
 
 One ragged forward: every row's tokens are flattened into ``[num_tokens]`` (see
 ``engine/input_builder.py``); attention reads each row's context through its block table, so a
-prompt chunk and a decode token are the same case. Qwen2 differs only by its q/k/v bias. Attention
+prompt chunk and a decode token are the same case. Qwen2 differs only by its q/k/v bias; the MoE
+models by their MLP, a sparse mixture of experts (``engine/moe.py``) in every layer or some, and
+Qwen3-MoE by an RMSNorm over each query and key head before rotary. Attention
 is always full: a sliding-window model is limited to contexts within its window (see
 ``ModelConfig.max_context_len``), where the two agree.
 
@@ -10,8 +13,8 @@ The ops come from an attention backend object (``kernels/``); the step's ``plan`
 metadata and the KV cache) is made by the runner with ``backend.plan`` and passed down explicitly.
 Each module has one forward; the runner decides how it runs (eager, or ``LlamaModel`` compiled).
 
-    embed -> [RMSNorm -> QKV -> rotary -> store K/V + paged attention -> o_proj
-              -> RMSNorm -> gate_up -> SiLU * up -> down] x num_layers
+    embed -> [RMSNorm -> QKV (-> q/k norm) -> rotary -> store K/V + paged attention -> o_proj
+              -> RMSNorm -> gate_up -> SiLU * up -> down (or the MoE block)] x num_layers
           -> final RMSNorm -> (sampling rows only) LM head
 """
 
@@ -31,6 +34,12 @@ from engine.layers import (
     default_weight_loader,
 )
 from engine.model_config import ModelConfig
+from engine.moe import (
+    SparseMoeBlock,
+    StackedExperts,
+    expert_param_name,
+    split_stacked_experts,
+)
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 from engine.tensor_parallel.sharding import shard_heads
 from kernels import AttentionBackend, build_cos_sin_cache
@@ -92,6 +101,11 @@ class Attention(nn.Module):
             config.num_heads * head_dim, config.hidden_size, bias=False, dtype=dtype,
             parallel=parallel, input_range=q_range,
         )  # fmt: skip
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype, backend)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype, backend)
 
     def forward(
         self,
@@ -104,6 +118,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         # query and key heads side by side, rotated at once: [num_tokens, num_qk_heads, head_dim]
         qk = qkv[:, : num_qk_heads * head_dim].view(num_tokens, num_qk_heads, head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, _ = self.q_norm(qk[:, : self.num_heads].reshape(-1, head_dim))
+            k, _ = self.k_norm(qk[:, self.num_heads :].reshape(-1, head_dim))
+            qk = torch.cat([q.view(num_tokens, -1, head_dim), k.view(num_tokens, -1, head_dim)], 1)
         qk = self.backend.rotary(qk, rope)
         v = qkv[:, num_qk_heads * head_dim :].view(num_tokens, self.num_kv_heads, head_dim)
         attended = self.backend.attend(
@@ -113,11 +131,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one GEMM."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one GEMM; ``intermediate_size``
+    wide (default: the config's; a shared expert has its own)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: ParallelContext) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        parallel: ParallelContext,
+        intermediate_size: int | None = None,
+    ) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, [size, size], bias=False, dtype=dtype, parallel=parallel
         )
@@ -143,7 +168,13 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, dtype, backend, parallel, layer_index)
-        self.mlp = MLP(config, dtype, parallel)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_index):
+            shared_size = config.shared_expert_intermediate_size
+            shared = MLP(config, dtype, parallel, shared_size) if shared_size else None
+            self.mlp = SparseMoeBlock(config, dtype, backend, parallel, shared)
+        else:
+            self.mlp = MLP(config, dtype, parallel)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, backend)
@@ -263,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
         ValueError naming what is missing, unexpected or misshapen."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for checkpoint_name, tensor in weights:
+        for checkpoint_name, tensor in split_stacked_experts(weights):
             name, shard_id = self.param_name(checkpoint_name)
             if name is None:
                 continue
@@ -286,7 +317,10 @@ class LlamaForCausalLM(nn.Module):
         """A checkpoint name's parameter here and its part in a fused layer; None: not kept."""
         if "rotary_emb.inv_freq" in checkpoint_name:
             return None, 0
-        name = checkpoint_name
+        expert = expert_param_name(checkpoint_name)
+        if expert is not None:
+            return expert
+        name = checkpoint_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router
         if name == "lm_head.weight":
             return (None, 0) if self.config.tie_word_embeddings else ("lm_head.weight", 0)
         for fragment, (fused, shard_id) in self._FUSED.items():
@@ -296,8 +330,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
         keys = set()
+        modules = dict(self.named_modules())
         for name in params:
-            if ".qkv_proj." in name:
+            module_name, _, param_name = name.rpartition(".")
+            module = modules[module_name]
+            if isinstance(module, StackedExperts):
+                keys.update(f"{name}#{shard}" for shard in module.expected_shard_ids(param_name))
+            elif ".qkv_proj." in name:
                 keys.update(f"{name}#{shard}" for shard in range(3))
             elif ".gate_up_proj." in name:
                 keys.update(f"{name}#{shard}" for shard in range(2))

@@ -78,8 +78,16 @@ def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
         return
     for rank in range(world_size):
         shard_heads(config.num_heads, config.num_kv_heads, rank, world_size)
-    if config.intermediate_size % world_size:
-        raise TensorParallelConfigError(
-            f"the MLP's intermediate_size ({config.intermediate_size}) does not split evenly over "
-            f"{world_size} tensor-parallel ranks"
+    sizes = {"the MLP's intermediate_size": config.intermediate_size}
+    if config.num_experts:  # experts are split by their intermediate dimension (engine/moe.py)
+        sizes["the experts' moe_intermediate_size"] = config.moe_intermediate_size
+        sizes["the shared expert's shared_expert_intermediate_size"] = (
+            config.shared_expert_intermediate_size
         )
+        if not config.dense_mlp_layers:  # no dense MLP is built: its size need not split
+            del sizes["the MLP's intermediate_size"]
+    for what, size in sizes.items():
+        if size % world_size:
+            raise TensorParallelConfigError(
+                f"{what} ({size}) does not split evenly over {world_size} tensor-parallel ranks"
+            )

@@ -19,6 +19,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import (  # noqa: E402
     triton_attention,
+    triton_moe,
     triton_quant_linear,
     triton_rms_norm,
     triton_rotary,
@@ -105,6 +106,19 @@ def main() -> int:
             {"x_ptr": f"*{dtype}", "q_ptr": "*u8" if bits == 4 else "*i8",
              "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": f"*{dtype}"},
             {"BITS": bits, "GROUP": 32, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 32},
+        )  # fmt: skip
+    # the fused-MoE product: gate/up (rows shared by top_k pairs), down (weighted), float32
+    for dtype, rows_per_a_row, mul_weight, block_m in (
+        ("bf16", 2, False, 16), ("bf16", 1, True, 64), ("fp32", 2, True, 16),
+    ):  # fmt: skip
+        compile_kernel(
+            triton_moe._moe_matmul_kernel,
+            {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}",
+             "weights_ptr": f"*{dtype}", "sorted_pairs_ptr": "*i32",
+             "block_experts_ptr": "*i32", "num_padded_ptr": "*i32"},
+            {"A_ROWS_PER_ROW": rows_per_a_row, "MUL_WEIGHT": mul_weight,
+             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "BLOCK_M": block_m,
+             "BLOCK_N": 64, "BLOCK_K": 64},
         )  # fmt: skip
     return 0
 
