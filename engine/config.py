@@ -167,6 +167,12 @@ class EngineConfig(BaseModel):
     fair_share: bool = Field(
         False, description="share each step's prompt-token budget between tenants"
     )
+    deterministic: bool = Field(
+        False,
+        description="bitwise-identical tokens and logprobs for a request whatever else runs, "
+        "the step budget, chunking, preemption or prefix-cache hits (same model, dtype, machine "
+        "and thread count); steps run eagerly, slower (see the README)",
+    )
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

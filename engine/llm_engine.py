@@ -107,6 +107,7 @@ class LLMEngine:
             seed=config.seed,
             compile=config.compile,
             quantization=quantization,
+            deterministic=config.deterministic,
         )
         self.executor = start_executor(
             config.tensor_parallel_size, runner_kwargs, config.num_threads

@@ -68,8 +68,10 @@ class ModelRunner:
         parallel: ParallelContext = SINGLE_PROCESS,
         compile: bool = False,
         quantization: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
-        """``quantization``: resolved (none, int8 or int4; see ``resolve_quantization``)."""
+        """``quantization``: resolved (none, int8 or int4; see ``resolve_quantization``);
+        ``deterministic``: a request's logits do not depend on the batch (see README)."""
         self.model_config = model_config
         self.dtype = dtype
         self.device = device
@@ -77,7 +79,7 @@ class ModelRunner:
         self.parallel = parallel
         start = time.perf_counter()
         model_class = MODEL_CLASSES[model_config.architecture]
-        self.backend = get_backend(attention_backend)
+        self.backend = get_backend(attention_backend, deterministic)
         self.max_position = max_model_len
         with torch.device(device):
             self.model = model_class(
@@ -134,7 +136,11 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, MatmulLayer):
                 module.pack_weights()  # on a CPU: oneDNN layout, once
-        unsupported = compile_unsupported(device, attention_backend, parallel.world_size)
+                if deterministic:
+                    module.set_deterministic()
+        unsupported = compile_unsupported(
+            device, attention_backend, parallel.world_size, deterministic
+        )
         self.graphs = StepGraphs(self.model, compile, unsupported)
         self.graphs.start(self._dummy_step)
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)

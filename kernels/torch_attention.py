@@ -39,6 +39,8 @@ MIN_SAVED_POSITIONS = 2048
 # over the context its last query sees: causal attention skips the keys past the chunk, which
 # torch's CPU flash kernel does not (512 x 512, 9 heads, bfloat16 on 2 cores: 3.8 -> 2.8 ms).
 QUERY_CHUNK = 64
+# Deterministic mode: context positions per value product (see ``_fixed_order_attention``)
+DETERMINISTIC_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class AttentionPlan:
     num_kv_heads: int
     decode_groups: tuple[DecodeGroup, ...]
     prompt_groups: tuple[PromptGroup, ...]
+    # attend in a fixed order whatever the batch (``_fixed_order_attention``); the groups then
+    # always hold their masks and no query chunks
+    deterministic: bool = False
 
     @property
     def sole_decode_group(self) -> DecodeGroup | None:
@@ -105,8 +110,10 @@ def plan_paged_attention(
     block_size: int,
     num_kv_heads: int,
     num_tokens: int,
+    deterministic: bool = False,
 ) -> AttentionPlan:
-    """Checks the metadata's values and computes every layer's gather indices and masks.
+    """Checks the metadata's values and computes every layer's gather indices and masks
+    (``deterministic``: for ``_fixed_order_attention``).
 
     Raises KernelInputError when query_start does not run from 0 to ``num_tokens`` by
     non-decreasing steps, or a row's context_len is outside [its query tokens, the capacity of
@@ -115,7 +122,7 @@ def plan_paged_attention(
     num_rows = context_lens.shape[0]
     capacity = block_tables.shape[1] * block_size
     if num_rows == 0:
-        return AttentionPlan(num_tokens, block_size, num_kv_heads, (), ())
+        return AttentionPlan(num_tokens, block_size, num_kv_heads, (), (), deterministic)
     starts, ctx_lens = query_start.tolist(), context_lens.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens:
         raise KernelInputError(f"query_start must run from 0 to num_tokens {num_tokens}")
@@ -145,14 +152,16 @@ def plan_paged_attention(
     tables = block_tables.long()  # [num_rows, max_blocks_per_row]
     heads = torch.arange(num_kv_heads, device=tables.device)[:, None]  # [num_kv_heads, 1]
     groups = tuple(
-        _plan_decode_group(rows, [starts[row] for row in rows], ctx_lens, tables, block_size, heads)
+        _plan_decode_group(
+            rows, [starts[row] for row in rows], ctx_lens, tables, block_size, heads, deterministic
+        )
         for rows in _decode_groups(decode_rows, ctx_lens, block_size)
     )
     prompts = tuple(
-        _plan_prompt_group(rows, starts, ctx_lens, tables, block_size, heads)
+        _plan_prompt_group(rows, starts, ctx_lens, tables, block_size, heads, deterministic)
         for rows in _prompt_groups(prompt_rows, ctx_lens, block_size)
     )
-    return AttentionPlan(num_tokens, block_size, num_kv_heads, groups, prompts)
+    return AttentionPlan(num_tokens, block_size, num_kv_heads, groups, prompts, deterministic)
 
 
 def _decode_groups(decode_rows: list[int], ctx_lens: list[int], block_size: int) -> list[list[int]]:
@@ -181,6 +190,7 @@ def _plan_decode_group(
     tables: torch.Tensor,  # [num_rows, max_blocks_per_row] int64
     block_size: int,
     heads: torch.Tensor,  # [num_kv_heads, 1] int64
+    deterministic: bool,
 ) -> DecodeGroup:
     device = tables.device
     lengths = torch.tensor([ctx_lens[row] for row in rows], device=device)  # [num_group_rows]
@@ -193,7 +203,9 @@ def _plan_decode_group(
     block_ids = tables[row_index].gather(1, positions // block_size)
     slots = block_ids * block_size + positions % block_size  # [num_group_rows, padded_len]
     kv_rows = (slots[:, None, :] * heads.shape[0] + heads).reshape(-1)
-    mask = None if all(ctx_lens[row] == padded_len for row in rows) else inside[:, None, None, :]
+    mask = inside[:, None, None, :]
+    if not deterministic and all(ctx_lens[row] == padded_len for row in rows):
+        mask = None
     token_index: torch.Tensor | slice = torch.tensor(tokens, device=device)
     if tokens == list(range(tokens[0], tokens[0] + len(tokens))):  # consecutive: a view
         token_index = slice(tokens[0], tokens[0] + len(tokens))
@@ -207,6 +219,7 @@ def _plan_prompt_group(
     tables: torch.Tensor,  # [num_rows, max_blocks_per_row] int64
     block_size: int,
     heads: torch.Tensor,  # [num_kv_heads, 1] int64
+    deterministic: bool,
 ) -> PromptGroup:
     device = tables.device
     q_lens = [starts[row + 1] - starts[row] for row in rows]
@@ -227,12 +240,14 @@ def _plan_prompt_group(
     last_seen = (ctx_len - q_len)[:, :, None] + query_pos[None, :, None]  # [n, padded_q, 1]
     full_mask = ((positions[None, None, :] <= last_seen) & inside[:, None, :])[:, None]
     mask = None  # [n, 1, padded_q, padded_len]; None: plain causal (SDPA's is_causal)
-    if any(q != padded_q or n != padded_len for q, n in zip(q_lens, lengths, strict=True)) or (
-        padded_q != padded_len
+    if (
+        deterministic
+        or any(q != padded_q or n != padded_len for q, n in zip(q_lens, lengths, strict=True))
+        or padded_q != padded_len
     ):
         mask = full_mask
     query_chunks = []
-    if padded_q >= 2 * QUERY_CHUNK:
+    if padded_q >= 2 * QUERY_CHUNK and not deterministic:
         # the first position no query of the chunk sees: max over rows of ctx_len - q_len + end
         offset = max(n - q for q, n in zip(q_lens, lengths, strict=True))
         for first in range(0, padded_q, QUERY_CHUNK):
@@ -288,13 +303,17 @@ def paged_attention(
     # [num_slots * num_kv_heads, head_dim] views of the caches: one row per (slot, head)
     key_rows, value_rows = key_cache.view(-1, head_dim), value_cache.view(-1, head_dim)
     if out is None and plan.sole_decode_group is not None:  # every token decodes, in one call
-        return _decode_attention(query, key_rows, value_rows, plan.sole_decode_group, scale)
+        group = plan.sole_decode_group
+        return _decode_attention(query, key_rows, value_rows, group, scale, plan.deterministic)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for group in plan.decode_groups:
-        _attend_decode_group(query, key_rows, value_rows, group, scale, out)
+        _attend_decode_group(query, key_rows, value_rows, group, scale, out, plan.deterministic)
     for prompts in plan.prompt_groups:
-        _attend_prompt_group(query, key_rows, value_rows, prompts, scale, out)
+        if plan.deterministic:
+            _attend_prompt_group_fixed_order(query, key_rows, value_rows, prompts, scale, out)
+        else:
+            _attend_prompt_group(query, key_rows, value_rows, prompts, scale, out)
     return out
 
 
@@ -314,9 +333,12 @@ def _attend_decode_group(
     group: DecodeGroup,
     scale: float,
     out: torch.Tensor,
+    deterministic: bool,
 ) -> None:
     """Decode rows at once, written into ``out``."""
-    out[group.tokens] = _decode_attention(query[group.tokens], key_rows, value_rows, group, scale)
+    out[group.tokens] = _decode_attention(
+        query[group.tokens], key_rows, value_rows, group, scale, deterministic
+    )
 
 
 def _decode_attention(
@@ -325,6 +347,7 @@ def _decode_attention(
     value_rows: torch.Tensor,
     group: DecodeGroup,
     scale: float,
+    deterministic: bool,
 ) -> torch.Tensor:
     """Gathers the rows' contexts padded to the longest, masks the padding: [num_rows,
     num_heads, head_dim]."""
@@ -335,6 +358,10 @@ def _decode_attention(
     values = value_rows.index_select(0, group.kv_rows).view(shape)
     # [num_rows, num_kv_heads, heads per KV head, head_dim]
     queries = query.view(num_rows, keys.shape[1], -1, head_dim)
+    if deterministic:
+        assert group.mask is not None  # a deterministic plan always holds it
+        attended = _fixed_order_attention(queries, keys, values, group.mask, scale)
+        return attended.to(query.dtype).view(num_rows, num_heads, head_dim)
     attended = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=group.mask, scale=scale
     )  # [num_rows, num_kv_heads, heads per KV head, head_dim]
@@ -386,3 +413,79 @@ def _attend_prompt_group(
         )  # [num_rows, num_heads, padded_q, head_dim]
     flat = attended.transpose(1, 2).reshape(num_rows * group.padded_q, num_heads, head_dim)
     out[group.tokens] = flat[group.valid]
+
+
+def _attend_prompt_group_fixed_order(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_rows: torch.Tensor,  # [num_slots * num_kv_heads, head_dim]
+    value_rows: torch.Tensor,
+    group: PromptGroup,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """``_attend_prompt_group`` through ``_fixed_order_attention``."""
+    num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
+    padded_q, padded_len = group.padded_q, group.padded_len
+    shape = (num_rows, -1, padded_len, head_dim)  # [rows, num_kv_heads, padded_len, dim]
+    keys = key_rows.index_select(0, group.kv_rows).view(shape)
+    values = value_rows.index_select(0, group.kv_rows).view(shape)
+    num_kv_heads = keys.shape[1]
+    group_heads = num_heads // num_kv_heads
+    # [num_rows, num_kv_heads, heads per KV head * padded_q, head_dim], head-major
+    queries = query[group.query_rows].view(num_rows, padded_q, num_heads, head_dim)
+    queries = queries.transpose(1, 2).reshape(num_rows, num_kv_heads, -1, head_dim)
+    assert group.mask is not None  # a deterministic plan always holds it
+    mask = group.mask[:, :, None].expand(num_rows, 1, group_heads, padded_q, padded_len)
+    mask = mask.reshape(num_rows, 1, group_heads * padded_q, padded_len)
+    attended = _fixed_order_attention(queries, keys, values, mask, scale)
+    # [num_rows, num_heads, padded_q, head_dim] -> [num_rows * padded_q, num_heads, head_dim]
+    attended = attended.view(num_rows, num_heads, padded_q, head_dim).transpose(1, 2)
+    flat = attended.reshape(num_rows * padded_q, num_heads, head_dim).to(query.dtype)
+    out[group.tokens] = flat[group.valid]
+
+
+def _fixed_order_attention(
+    queries: torch.Tensor,  # [num_rows, num_kv_heads, num_queries, head_dim]
+    keys: torch.Tensor,  # [num_rows, num_kv_heads, context, head_dim]
+    values: torch.Tensor,  # [num_rows, num_kv_heads, context, head_dim]
+    mask: torch.Tensor,  # [num_rows, 1, num_queries or 1, context] bool: True where seen
+    scale: float,
+) -> torch.Tensor:
+    """Attention whose result for a query is the same bits whatever else the call holds: how
+    many queries, rows and padding positions, and where the query sits. Float32 throughout;
+    returns [num_rows, num_kv_heads, num_queries, head_dim] float32.
+
+    - scores: one product over head_dim per (query, position), on a query count padded to a
+      multiple of 4 (MKL rounds a row alike for every such count; ``tests/kernels/
+      test_deterministic_attention.py``);
+    - softmax without a sum: ``p = exp(score - max)``, exact per element, masked positions 0;
+    - ``p @ [V | 1]`` gives the weighted values and their denominator in one product, cut into
+      tiles of DETERMINISTIC_TILE positions that start at position 0: a position is always in
+      the same tile at the same place, padding only adds tiles of zeros, and the tiles' results
+      are added in position order (adding an exact zero changes nothing).
+    """
+    num_queries, head_dim = queries.shape[2], queries.shape[3]
+    context = keys.shape[2]
+    padded_queries = -(-num_queries // 4) * 4
+    padded_context = -(-context // DETERMINISTIC_TILE) * DETERMINISTIC_TILE
+    queries = F.pad(queries.float(), (0, 0, 0, padded_queries - num_queries))
+    keys = F.pad(keys.float(), (0, 0, 0, padded_context - context))
+    # [rows, kv heads, padded_context, head_dim + 1]: the values, a column of ones, zero padding
+    values = F.pad(F.pad(values.float(), (0, 1), value=1.0), (0, 0, 0, padded_context - context))
+    if mask.shape[2] != 1:  # the padding queries see every position (their results are dropped)
+        mask = F.pad(mask, (0, 0, 0, padded_queries - num_queries), value=True)
+    mask = F.pad(mask, (0, padded_context - context), value=False)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [.., queries, context]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    num_rows, num_kv_heads = queries.shape[0], queries.shape[1]
+    num_tiles = padded_context // DETERMINISTIC_TILE
+    # [rows, kv heads, tiles, queries, tile] @ [rows, kv heads, tiles, tile, head_dim + 1]
+    weights = weights.view(num_rows, num_kv_heads, padded_queries, num_tiles, -1).transpose(2, 3)
+    values = values.view(num_rows, num_kv_heads, num_tiles, DETERMINISTIC_TILE, head_dim + 1)
+    tiles = torch.matmul(weights, values)  # [rows, kv heads, tiles, queries, head_dim + 1]
+    summed = tiles[:, :, 0]
+    for tile in range(1, num_tiles):
+        summed = summed + tiles[:, :, tile]
+    summed = summed[:, :, :num_queries]
+    return summed[..., :head_dim] / summed[..., head_dim:]
