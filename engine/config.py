@@ -174,6 +174,15 @@ class EngineConfig(BaseModel):
         "and thread count); steps run eagerly, slower (see the README)",
     )
 
+    @model_validator(mode="after")
+    def _deterministic_in_one_process(self) -> EngineConfig:
+        if self.deterministic and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "deterministic mode runs in one process: the ranks' all-reduce sums in an order "
+                "that depends on the tensor's size, so on the batch (use tensor_parallel_size 1)"
+            )
+        return self
+
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _parse_kv_memory(cls, value: str | int | float) -> int | float:

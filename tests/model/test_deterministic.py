@@ -133,3 +133,13 @@ def test_seeded_sampling_alone_equal_together(tiny_llama_dir):
     alone = _alone(tiny_llama_dir, "float32", params)
     budget, num_blocks = TOGETHER[2]
     _assert_same(alone, _together(tiny_llama_dir, "float32", params, budget, num_blocks))
+
+
+def test_deterministic_setting_from_flags_environment_and_its_limits():
+    from server.config import load_config
+
+    assert load_config({"deterministic": True}, environ={}).engine.deterministic
+    assert load_config({}, environ={"SPLITFUSE_DETERMINISTIC": "1"}).engine.deterministic
+    assert not load_config({}, environ={}).engine.deterministic
+    with pytest.raises(ValueError, match="deterministic mode runs in one process"):
+        EngineConfig(deterministic=True, tensor_parallel_size=2)
