@@ -3,7 +3,8 @@
 A library product picks its kernel, and with it the order in which a row's sums are added, from
 the call's shape: the same row multiplied alone and among others can round differently. Measured
 with ``torch.equal`` on random rows at random positions (AMD EPYC with AVX-512, 1 and 2 threads,
-float32 and bfloat16, every shape of the default model; ``tests/kernels/test_deterministic.py``):
+float32 and bfloat16, every shape of the default model; ``tests/kernels/
+test_deterministic_kernels.py``):
 
     oneDNN with a packed weight (``engine/packed_linear.py``)   equal for every count >= 2
     the quantized C++ product (``kernels/cpu/``)                 equal for every count >= 2

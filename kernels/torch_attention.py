@@ -39,7 +39,8 @@ MIN_SAVED_POSITIONS = 2048
 # over the context its last query sees: causal attention skips the keys past the chunk, which
 # torch's CPU flash kernel does not (512 x 512, 9 heads, bfloat16 on 2 cores: 3.8 -> 2.8 ms).
 QUERY_CHUNK = 64
-# Deterministic mode: context positions per value product (see ``_fixed_order_attention``)
+# Deterministic mode: context positions per value product (see ``_fixed_order_attention``); a
+# deterministic plan pads every group's context to a multiple of it
 DETERMINISTIC_TILE = 64
 
 
@@ -195,6 +196,8 @@ def _plan_decode_group(
     device = tables.device
     lengths = torch.tensor([ctx_lens[row] for row in rows], device=device)  # [num_group_rows]
     padded_len = max(ctx_lens[row] for row in rows)
+    if deterministic:
+        padded_len = -(-padded_len // DETERMINISTIC_TILE) * DETERMINISTIC_TILE
     positions = torch.arange(padded_len, device=device)  # [padded_len]
     inside = positions < lengths[:, None]  # [num_group_rows, padded_len]
     # Padding positions read the row's position 0: written, finite, masked out.
@@ -225,6 +228,8 @@ def _plan_prompt_group(
     q_lens = [starts[row + 1] - starts[row] for row in rows]
     lengths = [ctx_lens[row] for row in rows]
     padded_q, padded_len = max(q_lens), max(lengths)
+    if deterministic:
+        padded_len = -(-padded_len // DETERMINISTIC_TILE) * DETERMINISTIC_TILE
     first = torch.tensor([starts[row] for row in rows], device=device)[:, None]  # [n, 1]
     q_len = torch.tensor(q_lens, device=device)[:, None]  # [n, 1]
     ctx_len = torch.tensor(lengths, device=device)[:, None]  # [n, 1]
@@ -452,40 +457,35 @@ def _fixed_order_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention whose result for a query is the same bits whatever else the call holds: how
-    many queries, rows and padding positions, and where the query sits. Float32 throughout;
-    returns [num_rows, num_kv_heads, num_queries, head_dim] float32.
+    many queries, rows and padding positions, and where the query sits. ``context`` is a
+    multiple of DETERMINISTIC_TILE (the plan pads to it). Float32 throughout; returns
+    [num_rows, num_kv_heads, num_queries, head_dim] float32.
 
     - scores: one product over head_dim per (query, position), on a query count padded to a
-      multiple of 4 (MKL rounds a row alike for every such count; ``tests/kernels/
-      test_deterministic_attention.py``);
-    - softmax without a sum: ``p = exp(score - max)``, exact per element, masked positions 0;
-    - ``p @ [V | 1]`` gives the weighted values and their denominator in one product, cut into
-      tiles of DETERMINISTIC_TILE positions that start at position 0: a position is always in
-      the same tile at the same place, padding only adds tiles of zeros, and the tiles' results
-      are added in position order (adding an exact zero changes nothing).
+      multiple of 4 (MKL rounds a row alike for every such count, ``tests/kernels/
+      test_deterministic_kernels.py``);
+    - softmax weights ``p = exp(score - max)``: exact per element, 0 where masked;
+    - ``p @ V`` and the sum of ``p`` per tile of DETERMINISTIC_TILE positions, tiles starting at
+      position 0: a position is always in the same tile at the same place, padding only adds
+      tiles of zeros, and the tiles' results are added in position order (adding an exact zero
+      changes nothing).
     """
-    num_queries, head_dim = queries.shape[2], queries.shape[3]
-    context = keys.shape[2]
+    num_rows, num_kv_heads, num_queries, head_dim = queries.shape
+    num_tiles = keys.shape[2] // DETERMINISTIC_TILE
     padded_queries = -(-num_queries // 4) * 4
-    padded_context = -(-context // DETERMINISTIC_TILE) * DETERMINISTIC_TILE
     queries = F.pad(queries.float(), (0, 0, 0, padded_queries - num_queries))
-    keys = F.pad(keys.float(), (0, 0, 0, padded_context - context))
-    # [rows, kv heads, padded_context, head_dim + 1]: the values, a column of ones, zero padding
-    values = F.pad(F.pad(values.float(), (0, 1), value=1.0), (0, 0, 0, padded_context - context))
     if mask.shape[2] != 1:  # the padding queries see every position (their results are dropped)
         mask = F.pad(mask, (0, 0, 0, padded_queries - num_queries), value=True)
-    mask = F.pad(mask, (0, padded_context - context), value=False)
-    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [.., queries, context]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = torch.matmul(queries, keys.float().transpose(-1, -2)) * scale  # [.., queries, ctx]
+    scores.masked_fill_(~mask, float("-inf"))
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))
-    num_rows, num_kv_heads = queries.shape[0], queries.shape[1]
-    num_tiles = padded_context // DETERMINISTIC_TILE
-    # [rows, kv heads, tiles, queries, tile] @ [rows, kv heads, tiles, tile, head_dim + 1]
-    weights = weights.view(num_rows, num_kv_heads, padded_queries, num_tiles, -1).transpose(2, 3)
-    values = values.view(num_rows, num_kv_heads, num_tiles, DETERMINISTIC_TILE, head_dim + 1)
-    tiles = torch.matmul(weights, values)  # [rows, kv heads, tiles, queries, head_dim + 1]
-    summed = tiles[:, :, 0]
+    # [rows, kv heads, queries, tiles, tile] -> per tile: weights @ values and sum of weights
+    weights = weights.view(num_rows, num_kv_heads, padded_queries, num_tiles, DETERMINISTIC_TILE)
+    sums = weights.sum(-1)  # [rows, kv heads, queries, tiles]
+    values = values.float().view(num_rows, num_kv_heads, num_tiles, DETERMINISTIC_TILE, head_dim)
+    tiles = torch.matmul(weights.transpose(2, 3), values)  # [rows, kv heads, tiles, queries, dim]
+    weighted, total = tiles[:, :, 0], sums[..., 0]
     for tile in range(1, num_tiles):
-        summed = summed + tiles[:, :, tile]
-    summed = summed[:, :, :num_queries]
-    return summed[..., :head_dim] / summed[..., head_dim:]
+        weighted = weighted + tiles[:, :, tile]
+        total = total + sums[..., tile]
+    return weighted[:, :, :num_queries] / total[:, :, :num_queries, None]
