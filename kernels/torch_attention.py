@@ -252,12 +252,14 @@ def _plan_prompt_group(
     ):
         mask = full_mask
     query_chunks = []
-    if padded_q >= 2 * QUERY_CHUNK and not deterministic:
+    if padded_q >= 2 * QUERY_CHUNK:
         # the first position no query of the chunk sees: max over rows of ctx_len - q_len + end
         offset = max(n - q for q, n in zip(q_lens, lengths, strict=True))
         for first in range(0, padded_q, QUERY_CHUNK):
             end = min(first + QUERY_CHUNK, padded_q)
             length = min(offset + end, padded_len)
+            if deterministic:  # whole tiles: the ones left out held only masked positions
+                length = min(-(-length // DETERMINISTIC_TILE) * DETERMINISTIC_TILE, padded_len)
             query_chunks.append((first, end, length, full_mask[:, :, first:end, :length]))
     real = query_pos[None, :] < q_len  # [n, padded_q]
     tokens = [t for row in rows for t in range(starts[row], starts[row + 1])]
@@ -428,7 +430,9 @@ def _attend_prompt_group_fixed_order(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """``_attend_prompt_group`` through ``_fixed_order_attention``."""
+    """``_attend_prompt_group`` through ``_fixed_order_attention``, by query chunks as there:
+    a chunk's context stops at a whole tile, and the tiles it leaves out would have added exact
+    zeros, so chunking changes no bit."""
     num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
     padded_q, padded_len = group.padded_q, group.padded_len
     shape = (num_rows, -1, padded_len, head_dim)  # [rows, num_kv_heads, padded_len, dim]
@@ -436,16 +440,24 @@ def _attend_prompt_group_fixed_order(
     values = value_rows.index_select(0, group.kv_rows).view(shape)
     num_kv_heads = keys.shape[1]
     group_heads = num_heads // num_kv_heads
-    # [num_rows, num_kv_heads, heads per KV head * padded_q, head_dim], head-major
+    # [num_rows, num_heads, padded_q, head_dim]
     queries = query[group.query_rows].view(num_rows, padded_q, num_heads, head_dim)
-    queries = queries.transpose(1, 2).reshape(num_rows, num_kv_heads, -1, head_dim)
+    queries = queries.transpose(1, 2)
     assert group.mask is not None  # a deterministic plan always holds it
-    mask = group.mask[:, :, None].expand(num_rows, 1, group_heads, padded_q, padded_len)
-    mask = mask.reshape(num_rows, 1, group_heads * padded_q, padded_len)
-    attended = _fixed_order_attention(queries, keys, values, mask, scale)
+    chunks = group.query_chunks or ((0, padded_q, padded_len, group.mask),)
+    attended = []
+    for first, end, length, mask in chunks:
+        # head-major: [num_rows, num_kv_heads, heads per KV head * chunk, head_dim]
+        chunk = queries[:, :, first:end].reshape(num_rows, num_kv_heads, -1, head_dim)
+        chunk_mask = mask[:, :, None].expand(num_rows, 1, group_heads, end - first, length)
+        chunk_mask = chunk_mask.reshape(num_rows, 1, -1, length)
+        result = _fixed_order_attention(
+            chunk, keys[:, :, :length], values[:, :, :length], chunk_mask, scale
+        )
+        attended.append(result.view(num_rows, num_heads, end - first, head_dim))
     # [num_rows, num_heads, padded_q, head_dim] -> [num_rows * padded_q, num_heads, head_dim]
-    attended = attended.view(num_rows, num_heads, padded_q, head_dim).transpose(1, 2)
-    flat = attended.reshape(num_rows * padded_q, num_heads, head_dim).to(query.dtype)
+    joined = torch.cat(attended, dim=2).transpose(1, 2)
+    flat = joined.reshape(num_rows * padded_q, num_heads, head_dim).to(query.dtype)
     out[group.tokens] = flat[group.valid]
 
 

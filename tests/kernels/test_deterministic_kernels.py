@@ -192,6 +192,14 @@ def test_torch_attention_query_does_not_depend_on_the_batch(dtype):
     sequences = Sequences(lengths, 9, 3, 64, dtype, "cpu")
     backend = get_backend("torch", deterministic=True)
     _assert_attention_invariant(backend, sequences, lengths, seed=3, num_batches=25)
+    # whole prompts of 150 and 140 tokens: attended by query chunks (``QUERY_CHUNK``)
+    whole = sequences.attend(backend, [(2, 0, 77), (0, 0, 150)])
+    tail = sequences.attend(backend, [(0, 10, 140), (3, 8, 1)])
+    for position in (0, 5, 63, 64, 70, 127, 149):
+        alone = sequences.attend(backend, [(0, position, 1)])[0]
+        assert torch.equal(whole[77 + position], alone), position
+        if position >= 10:
+            assert torch.equal(tail[position - 10], alone), position
 
 
 def test_triton_attention_query_does_not_depend_on_the_batch():
