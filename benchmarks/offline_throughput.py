@@ -3,6 +3,7 @@
     python benchmarks/offline_throughput.py                      # 1, 8 and 32 concurrent requests
     python benchmarks/offline_throughput.py --concurrency 8 --output-len 64   # a quick look
     python benchmarks/offline_throughput.py --profile            # where a decode step's time goes
+    python benchmarks/offline_throughput.py --deterministic      # the cost of deterministic mode
 
 For each concurrency C, in one process and one run: 2C requests (random token ids of exactly
 ``--prompt-len`` tokens, exactly ``--output-len`` output tokens each, EOS ignored) through (1) the
@@ -12,6 +13,10 @@ their ratio.
 
 splitfuse compiles its step graphs first, as ``splitfuse serve`` does (the start-up and compile
 times are printed); ``--no-compile`` runs the eager forward throughout.
+
+``--deterministic`` compares splitfuse with itself instead: the same workloads through the default
+engine, then through one in deterministic mode (eager steps, batch-invariant products and
+attention), and prints output tokens/s, mean TPOT and the ratios at each concurrency.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ def _prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> 
     ]
 
 
-def start_splitfuse(args: argparse.Namespace) -> tuple[object, float, float]:
+def start_splitfuse(
+    args: argparse.Namespace, deterministic: bool = False
+) -> tuple[object, float, float]:
     """The engine, its start-up time (ready to serve) and the time until its graphs compiled."""
     from engine import LLMEngine
     from engine.config import EngineConfig
@@ -45,6 +52,7 @@ def start_splitfuse(args: argparse.Namespace) -> tuple[object, float, float]:
             max_batch_tokens=args.max_batch_tokens,
             kv_cache_memory=args.kv_cache_memory,
             compile=args.compile,
+            deterministic=deterministic,
         )
     )
     ready = time.perf_counter() - start
@@ -56,6 +64,13 @@ def run_splitfuse(
     engine: object, prompts: list[list[int]], args: argparse.Namespace, concurrency: int
 ) -> float:
     """Output tokens/s with at most ``concurrency`` requests in flight."""
+    return splitfuse_summary(engine, prompts, args, concurrency)["output_throughput"]
+
+
+def splitfuse_summary(
+    engine: object, prompts: list[list[int]], args: argparse.Namespace, concurrency: int
+) -> dict:
+    """``server.bench.run_offline``'s summary with at most ``concurrency`` requests in flight."""
     from server.bench import Workload, run_offline
 
     warmup = Workload(num_prompts=2, input_len=8, output_len=4, vocab_size=args.vocab_size)
@@ -70,7 +85,41 @@ def run_splitfuse(
     )
     summary = run_offline(engine, workload)
     assert summary["failed"] == 0, summary["errors"]
-    return summary["output_throughput"]
+    return summary
+
+
+def compare_deterministic(
+    args: argparse.Namespace, prompts: list[list[int]], levels: list[int]
+) -> None:
+    """The default engine, then one in deterministic mode, on the same workloads: output
+    tokens/s and mean TPOT of each, and deterministic's cost (default / deterministic
+    throughput, deterministic / default TPOT)."""
+    results = {}
+    for deterministic in (False, True):
+        engine, ready, compiled = start_splitfuse(args, deterministic)
+        mode = "deterministic" if deterministic else "default"
+        print(
+            f"{mode}: ready in {ready:.1f} s, graphs {engine.runner.graphs.mode} after "
+            f"{compiled:.1f} s, {engine.config.dtype}, {torch.get_num_threads()} threads"
+        )
+        results[deterministic] = {
+            c: splitfuse_summary(engine, prompts[: 2 * c], args, c) for c in levels
+        }
+        engine.shutdown()
+        del engine
+    print(f"workload: 2C requests x ({args.prompt_len} prompt, {args.output_len} output) tokens")
+    print(
+        f"{'concurrency':>12}{'default tok/s':>15}{'determ. tok/s':>15}{'cost':>7}"
+        f"{'default TPOT':>14}{'determ. TPOT':>14}{'cost':>7}"
+    )
+    for c in levels:
+        default, deterministic = results[False][c], results[True][c]
+        tpot, tpot_det = default["tpot"]["mean_ms"], deterministic["tpot"]["mean_ms"]
+        rate, rate_det = default["output_throughput"], deterministic["output_throughput"]
+        print(
+            f"{c:12d}{rate:15.1f}{rate_det:15.1f}{rate / rate_det:7.2f}"
+            f"{tpot:11.1f} ms{tpot_det:11.1f} ms{tpot_det / tpot:7.2f}"
+        )
 
 
 def load_transformers(args: argparse.Namespace) -> object:
@@ -194,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="profile decode steps instead of the comparison"
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="compare the default engine with deterministic mode instead of transformers",
+    )
     args = parser.parse_args(argv)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -206,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = _prompts(2 * max(levels), args.prompt_len, args.vocab_size, args.seed)
     if args.profile:
         profile_steps(args, prompts[: max(levels)])
+        return 0
+    if args.deterministic:
+        compare_deterministic(args, prompts, levels)
         return 0
     engine, ready, compiled = start_splitfuse(args)
     dtype = engine.config.dtype

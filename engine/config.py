@@ -167,6 +167,21 @@ class EngineConfig(BaseModel):
     fair_share: bool = Field(
         False, description="share each step's prompt-token budget between tenants"
     )
+    deterministic: bool = Field(
+        False,
+        description="bitwise-identical tokens and logprobs for a request whatever else runs, "
+        "the step budget, chunking, preemption or prefix-cache hits (same model, dtype, machine "
+        "and thread count); steps run eagerly, slower (see the README)",
+    )
+
+    @model_validator(mode="after")
+    def _deterministic_in_one_process(self) -> EngineConfig:
+        if self.deterministic and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "deterministic mode runs in one process: the ranks' all-reduce sums in an order "
+                "that depends on the tensor's size, so on the batch (use tensor_parallel_size 1)"
+            )
+        return self
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

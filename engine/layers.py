@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.deterministic_rows import at_least_two_rows, fixed_tiles
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 from engine.quantization import QuantizedTensor
@@ -75,6 +76,13 @@ class MatmulLayer(QuantizableWeight):
     def __init__(self) -> None:
         super().__init__()
         self.packed_weight: PackedWeight | None = None
+        # deterministic mode (``set_deterministic``): a row's product never depends on the others
+        self.deterministic = False
+
+    def set_deterministic(self) -> None:
+        """From now on a row's result does not depend on how many rows share the product
+        (``engine/deterministic_rows.py``); call after ``pack_weights``."""
+        self.deterministic = True
 
     def pack_weights(self) -> None:
         """Call once, after loading (and quantizing): the layer then multiplies with the packed
@@ -87,6 +95,13 @@ class MatmulLayer(QuantizableWeight):
                 self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.deterministic:
+            return self._product(x, bias)
+        if x.device.type == "cpu" and (self.packed_weight is not None or self.quant_bits):
+            return at_least_two_rows(self._product, x, bias)
+        return fixed_tiles(self._product, x, bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quant_bits:
             if x.is_cuda:  # Triton, in x's dtype with float32 sums
                 from kernels.triton_quant_linear import triton_quant_linear

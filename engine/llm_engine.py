@@ -91,6 +91,12 @@ class LLMEngine:
                 f"mixture-of-experts models ({model_config.architecture}): their experts are not "
                 "quantized; set quantization to none"
             )
+        if model_config.num_experts and config.deterministic:
+            raise ValueError(
+                f"deterministic mode is not supported for mixture-of-experts models "
+                f"({model_config.architecture}): an expert's products run on as many rows as the "
+                "routing sends it, which the batch decides; set deterministic to false"
+            )
         max_model_len = config.max_model_len or model_config.max_context_len
         if max_model_len > model_config.max_context_len:
             raise ValueError(
@@ -139,6 +145,7 @@ class LLMEngine:
             compile=config.compile,
             quantization=quantization,
             state_dict=None if in_memory is None else in_memory.state_dict,
+            deterministic=config.deterministic,
         )
         self.executor = start_executor(
             config.tensor_parallel_size, runner_kwargs, config.num_threads

@@ -73,11 +73,13 @@ class ModelRunner:
         compile: bool = False,
         quantization: QuantizationConfig | None = None,
         state_dict: Mapping[str, torch.Tensor] | None = None,
+        deterministic: bool = False,
     ) -> None:
         """The weights come from ``model_dir``'s files or, for a model already in this process
         (``engine.inference``), from ``state_dict`` (tensors by Hugging Face name; ``model_dir``
         is then None). ``quantization``: resolved (none, int8 or int4; see
-        ``resolve_quantization``)."""
+        ``resolve_quantization``); ``deterministic``: a request's logits do not depend on the
+        batch (see README)."""
         if (model_dir is None) == (state_dict is None):
             raise ValueError("give the weights as model_dir or as state_dict, not both or neither")
         self.model_config = model_config
@@ -87,7 +89,7 @@ class ModelRunner:
         self.parallel = parallel
         start = time.perf_counter()
         model_class = MODEL_CLASSES[model_config.architecture]
-        self.backend = get_backend(attention_backend)
+        self.backend = get_backend(attention_backend, deterministic)
         self.max_position = max_model_len
         with torch.device(device):
             self.model = model_class(
@@ -146,7 +148,11 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, (MatmulLayer, StackedExperts)):
                 module.pack_weights()  # on a CPU: oneDNN layout, once
-        unsupported = compile_unsupported(device, attention_backend, parallel.world_size)
+                if deterministic:
+                    module.set_deterministic()
+        unsupported = compile_unsupported(
+            device, attention_backend, parallel.world_size, deterministic
+        )
         self.graphs = StepGraphs(self.model, compile, unsupported)
         self.graphs.start(self._dummy_step)
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)

@@ -82,10 +82,11 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """A new backend object for ``name`` ("torch" or "triton")."""
+def get_backend(name: str, deterministic: bool = False) -> AttentionBackend:
+    """A new backend object for ``name`` ("torch" or "triton"); ``deterministic``: its attention
+    gives a query the same bits whatever else the step holds (slower)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r} (choices: {', '.join(BACKENDS)})")
     module, cls = BACKENDS[name]
-    backend: AttentionBackend = getattr(importlib.import_module(module), cls)()
+    backend: AttentionBackend = getattr(importlib.import_module(module), cls)(deterministic)
     return backend

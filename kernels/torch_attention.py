@@ -39,6 +39,9 @@ MIN_SAVED_POSITIONS = 2048
 # over the context its last query sees: causal attention skips the keys past the chunk, which
 # torch's CPU flash kernel does not (512 x 512, 9 heads, bfloat16 on 2 cores: 3.8 -> 2.8 ms).
 QUERY_CHUNK = 64
+# Deterministic mode: context positions per value product (see ``_fixed_order_attention``); a
+# deterministic plan pads every group's context to a multiple of it
+DETERMINISTIC_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class AttentionPlan:
     num_kv_heads: int
     decode_groups: tuple[DecodeGroup, ...]
     prompt_groups: tuple[PromptGroup, ...]
+    # attend in a fixed order whatever the batch (``_fixed_order_attention``); the groups then
+    # always hold their masks and no query chunks
+    deterministic: bool = False
 
     @property
     def sole_decode_group(self) -> DecodeGroup | None:
@@ -105,8 +111,10 @@ def plan_paged_attention(
     block_size: int,
     num_kv_heads: int,
     num_tokens: int,
+    deterministic: bool = False,
 ) -> AttentionPlan:
-    """Checks the metadata's values and computes every layer's gather indices and masks.
+    """Checks the metadata's values and computes every layer's gather indices and masks
+    (``deterministic``: for ``_fixed_order_attention``).
 
     Raises KernelInputError when query_start does not run from 0 to ``num_tokens`` by
     non-decreasing steps, or a row's context_len is outside [its query tokens, the capacity of
@@ -115,7 +123,7 @@ def plan_paged_attention(
     num_rows = context_lens.shape[0]
     capacity = block_tables.shape[1] * block_size
     if num_rows == 0:
-        return AttentionPlan(num_tokens, block_size, num_kv_heads, (), ())
+        return AttentionPlan(num_tokens, block_size, num_kv_heads, (), (), deterministic)
     starts, ctx_lens = query_start.tolist(), context_lens.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens:
         raise KernelInputError(f"query_start must run from 0 to num_tokens {num_tokens}")
@@ -145,14 +153,16 @@ def plan_paged_attention(
     tables = block_tables.long()  # [num_rows, max_blocks_per_row]
     heads = torch.arange(num_kv_heads, device=tables.device)[:, None]  # [num_kv_heads, 1]
     groups = tuple(
-        _plan_decode_group(rows, [starts[row] for row in rows], ctx_lens, tables, block_size, heads)
+        _plan_decode_group(
+            rows, [starts[row] for row in rows], ctx_lens, tables, block_size, heads, deterministic
+        )
         for rows in _decode_groups(decode_rows, ctx_lens, block_size)
     )
     prompts = tuple(
-        _plan_prompt_group(rows, starts, ctx_lens, tables, block_size, heads)
+        _plan_prompt_group(rows, starts, ctx_lens, tables, block_size, heads, deterministic)
         for rows in _prompt_groups(prompt_rows, ctx_lens, block_size)
     )
-    return AttentionPlan(num_tokens, block_size, num_kv_heads, groups, prompts)
+    return AttentionPlan(num_tokens, block_size, num_kv_heads, groups, prompts, deterministic)
 
 
 def _decode_groups(decode_rows: list[int], ctx_lens: list[int], block_size: int) -> list[list[int]]:
@@ -181,10 +191,13 @@ def _plan_decode_group(
     tables: torch.Tensor,  # [num_rows, max_blocks_per_row] int64
     block_size: int,
     heads: torch.Tensor,  # [num_kv_heads, 1] int64
+    deterministic: bool,
 ) -> DecodeGroup:
     device = tables.device
     lengths = torch.tensor([ctx_lens[row] for row in rows], device=device)  # [num_group_rows]
     padded_len = max(ctx_lens[row] for row in rows)
+    if deterministic:
+        padded_len = -(-padded_len // DETERMINISTIC_TILE) * DETERMINISTIC_TILE
     positions = torch.arange(padded_len, device=device)  # [padded_len]
     inside = positions < lengths[:, None]  # [num_group_rows, padded_len]
     # Padding positions read the row's position 0: written, finite, masked out.
@@ -193,7 +206,9 @@ def _plan_decode_group(
     block_ids = tables[row_index].gather(1, positions // block_size)
     slots = block_ids * block_size + positions % block_size  # [num_group_rows, padded_len]
     kv_rows = (slots[:, None, :] * heads.shape[0] + heads).reshape(-1)
-    mask = None if all(ctx_lens[row] == padded_len for row in rows) else inside[:, None, None, :]
+    mask = inside[:, None, None, :]
+    if not deterministic and all(ctx_lens[row] == padded_len for row in rows):
+        mask = None
     token_index: torch.Tensor | slice = torch.tensor(tokens, device=device)
     if tokens == list(range(tokens[0], tokens[0] + len(tokens))):  # consecutive: a view
         token_index = slice(tokens[0], tokens[0] + len(tokens))
@@ -207,11 +222,14 @@ def _plan_prompt_group(
     tables: torch.Tensor,  # [num_rows, max_blocks_per_row] int64
     block_size: int,
     heads: torch.Tensor,  # [num_kv_heads, 1] int64
+    deterministic: bool,
 ) -> PromptGroup:
     device = tables.device
     q_lens = [starts[row + 1] - starts[row] for row in rows]
     lengths = [ctx_lens[row] for row in rows]
     padded_q, padded_len = max(q_lens), max(lengths)
+    if deterministic:
+        padded_len = -(-padded_len // DETERMINISTIC_TILE) * DETERMINISTIC_TILE
     first = torch.tensor([starts[row] for row in rows], device=device)[:, None]  # [n, 1]
     q_len = torch.tensor(q_lens, device=device)[:, None]  # [n, 1]
     ctx_len = torch.tensor(lengths, device=device)[:, None]  # [n, 1]
@@ -227,8 +245,10 @@ def _plan_prompt_group(
     last_seen = (ctx_len - q_len)[:, :, None] + query_pos[None, :, None]  # [n, padded_q, 1]
     full_mask = ((positions[None, None, :] <= last_seen) & inside[:, None, :])[:, None]
     mask = None  # [n, 1, padded_q, padded_len]; None: plain causal (SDPA's is_causal)
-    if any(q != padded_q or n != padded_len for q, n in zip(q_lens, lengths, strict=True)) or (
-        padded_q != padded_len
+    if (
+        deterministic
+        or any(q != padded_q or n != padded_len for q, n in zip(q_lens, lengths, strict=True))
+        or padded_q != padded_len
     ):
         mask = full_mask
     query_chunks = []
@@ -238,6 +258,8 @@ def _plan_prompt_group(
         for first in range(0, padded_q, QUERY_CHUNK):
             end = min(first + QUERY_CHUNK, padded_q)
             length = min(offset + end, padded_len)
+            if deterministic:  # whole tiles: the ones left out held only masked positions
+                length = min(-(-length // DETERMINISTIC_TILE) * DETERMINISTIC_TILE, padded_len)
             query_chunks.append((first, end, length, full_mask[:, :, first:end, :length]))
     real = query_pos[None, :] < q_len  # [n, padded_q]
     tokens = [t for row in rows for t in range(starts[row], starts[row + 1])]
@@ -288,13 +310,17 @@ def paged_attention(
     # [num_slots * num_kv_heads, head_dim] views of the caches: one row per (slot, head)
     key_rows, value_rows = key_cache.view(-1, head_dim), value_cache.view(-1, head_dim)
     if out is None and plan.sole_decode_group is not None:  # every token decodes, in one call
-        return _decode_attention(query, key_rows, value_rows, plan.sole_decode_group, scale)
+        group = plan.sole_decode_group
+        return _decode_attention(query, key_rows, value_rows, group, scale, plan.deterministic)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for group in plan.decode_groups:
-        _attend_decode_group(query, key_rows, value_rows, group, scale, out)
+        _attend_decode_group(query, key_rows, value_rows, group, scale, out, plan.deterministic)
     for prompts in plan.prompt_groups:
-        _attend_prompt_group(query, key_rows, value_rows, prompts, scale, out)
+        if plan.deterministic:
+            _attend_prompt_group_fixed_order(query, key_rows, value_rows, prompts, scale, out)
+        else:
+            _attend_prompt_group(query, key_rows, value_rows, prompts, scale, out)
     return out
 
 
@@ -314,9 +340,12 @@ def _attend_decode_group(
     group: DecodeGroup,
     scale: float,
     out: torch.Tensor,
+    deterministic: bool,
 ) -> None:
     """Decode rows at once, written into ``out``."""
-    out[group.tokens] = _decode_attention(query[group.tokens], key_rows, value_rows, group, scale)
+    out[group.tokens] = _decode_attention(
+        query[group.tokens], key_rows, value_rows, group, scale, deterministic
+    )
 
 
 def _decode_attention(
@@ -325,6 +354,7 @@ def _decode_attention(
     value_rows: torch.Tensor,
     group: DecodeGroup,
     scale: float,
+    deterministic: bool,
 ) -> torch.Tensor:
     """Gathers the rows' contexts padded to the longest, masks the padding: [num_rows,
     num_heads, head_dim]."""
@@ -335,6 +365,10 @@ def _decode_attention(
     values = value_rows.index_select(0, group.kv_rows).view(shape)
     # [num_rows, num_kv_heads, heads per KV head, head_dim]
     queries = query.view(num_rows, keys.shape[1], -1, head_dim)
+    if deterministic:
+        assert group.mask is not None  # a deterministic plan always holds it
+        attended = _fixed_order_attention(queries, keys, values, group.mask, scale)
+        return attended.to(query.dtype).view(num_rows, num_heads, head_dim)
     attended = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=group.mask, scale=scale
     )  # [num_rows, num_kv_heads, heads per KV head, head_dim]
@@ -386,3 +420,84 @@ def _attend_prompt_group(
         )  # [num_rows, num_heads, padded_q, head_dim]
     flat = attended.transpose(1, 2).reshape(num_rows * group.padded_q, num_heads, head_dim)
     out[group.tokens] = flat[group.valid]
+
+
+def _attend_prompt_group_fixed_order(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_rows: torch.Tensor,  # [num_slots * num_kv_heads, head_dim]
+    value_rows: torch.Tensor,
+    group: PromptGroup,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """``_attend_prompt_group`` through ``_fixed_order_attention``, by query chunks as there:
+    a chunk's context stops at a whole tile, and the tiles it leaves out would have added exact
+    zeros, so chunking changes no bit."""
+    num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
+    padded_q, padded_len = group.padded_q, group.padded_len
+    shape = (num_rows, -1, padded_len, head_dim)  # [rows, num_kv_heads, padded_len, dim]
+    keys = key_rows.index_select(0, group.kv_rows).view(shape)
+    values = value_rows.index_select(0, group.kv_rows).view(shape)
+    num_kv_heads = keys.shape[1]
+    group_heads = num_heads // num_kv_heads
+    # [num_rows, num_heads, padded_q, head_dim]
+    queries = query[group.query_rows].view(num_rows, padded_q, num_heads, head_dim)
+    queries = queries.transpose(1, 2)
+    assert group.mask is not None  # a deterministic plan always holds it
+    chunks = group.query_chunks or ((0, padded_q, padded_len, group.mask),)
+    attended = []
+    for first, end, length, mask in chunks:
+        # head-major: [num_rows, num_kv_heads, heads per KV head * chunk, head_dim]
+        chunk = queries[:, :, first:end].reshape(num_rows, num_kv_heads, -1, head_dim)
+        chunk_mask = mask[:, :, None].expand(num_rows, 1, group_heads, end - first, length)
+        chunk_mask = chunk_mask.reshape(num_rows, 1, -1, length)
+        result = _fixed_order_attention(
+            chunk, keys[:, :, :length], values[:, :, :length], chunk_mask, scale
+        )
+        attended.append(result.view(num_rows, num_heads, end - first, head_dim))
+    # [num_rows, num_heads, padded_q, head_dim] -> [num_rows * padded_q, num_heads, head_dim]
+    joined = torch.cat(attended, dim=2).transpose(1, 2)
+    flat = joined.reshape(num_rows * padded_q, num_heads, head_dim).to(query.dtype)
+    out[group.tokens] = flat[group.valid]
+
+
+def _fixed_order_attention(
+    queries: torch.Tensor,  # [num_rows, num_kv_heads, num_queries, head_dim]
+    keys: torch.Tensor,  # [num_rows, num_kv_heads, context, head_dim]
+    values: torch.Tensor,  # [num_rows, num_kv_heads, context, head_dim]
+    mask: torch.Tensor,  # [num_rows, 1, num_queries or 1, context] bool: True where seen
+    scale: float,
+) -> torch.Tensor:
+    """Attention whose result for a query is the same bits whatever else the call holds: how
+    many queries, rows and padding positions, and where the query sits. ``context`` is a
+    multiple of DETERMINISTIC_TILE (the plan pads to it). Float32 throughout; returns
+    [num_rows, num_kv_heads, num_queries, head_dim] float32.
+
+    - scores: one product over head_dim per (query, position), on a query count padded to a
+      multiple of 4 (MKL rounds a row alike for every such count, ``tests/kernels/
+      test_deterministic_kernels.py``);
+    - softmax weights ``p = exp(score - max)``: exact per element, 0 where masked;
+    - ``p @ V`` and the sum of ``p`` per tile of DETERMINISTIC_TILE positions, tiles starting at
+      position 0: a position is always in the same tile at the same place, padding only adds
+      tiles of zeros, and the tiles' results are added in position order (adding an exact zero
+      changes nothing).
+    """
+    num_rows, num_kv_heads, num_queries, head_dim = queries.shape
+    num_tiles = keys.shape[2] // DETERMINISTIC_TILE
+    padded_queries = -(-num_queries // 4) * 4
+    queries = F.pad(queries.float(), (0, 0, 0, padded_queries - num_queries))
+    if mask.shape[2] != 1:  # the padding queries see every position (their results are dropped)
+        mask = F.pad(mask, (0, 0, 0, padded_queries - num_queries), value=True)
+    scores = torch.matmul(queries, keys.float().transpose(-1, -2)) * scale  # [.., queries, ctx]
+    scores.masked_fill_(~mask, float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    # [rows, kv heads, queries, tiles, tile] -> per tile: weights @ values and sum of weights
+    weights = weights.view(num_rows, num_kv_heads, padded_queries, num_tiles, DETERMINISTIC_TILE)
+    sums = weights.sum(-1)  # [rows, kv heads, queries, tiles]
+    values = values.float().view(num_rows, num_kv_heads, num_tiles, DETERMINISTIC_TILE, head_dim)
+    tiles = torch.matmul(weights.transpose(2, 3), values)  # [rows, kv heads, tiles, queries, dim]
+    weighted, total = tiles[:, :, 0], sums[..., 0]
+    for tile in range(1, num_tiles):
+        weighted = weighted + tiles[:, :, tile]
+        total = total + sums[..., tile]
+    return weighted[:, :, :num_queries] / total[:, :, :num_queries, None]

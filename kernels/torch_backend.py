@@ -61,6 +61,11 @@ register_opaque_type(TorchStepPlan, typ="reference")
 class TorchBackend:
     name = "torch"
 
+    def __init__(self, deterministic: bool = False) -> None:
+        """``deterministic``: attention in a fixed order whatever the batch (``kernels/
+        torch_attention.py``, ``_fixed_order_attention``)."""
+        self.deterministic = deterministic
+
     def plan(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
@@ -95,6 +100,7 @@ class TorchBackend:
             block_size=block_size,
             num_kv_heads=num_kv_heads,
             num_tokens=num_tokens,
+            deterministic=self.deterministic,
         )
         return TorchStepPlan(attention, store_slots, store_tokens, kv_cache)
 

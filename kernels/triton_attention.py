@@ -235,8 +235,14 @@ def launch_paged_attention(
     max_context_len: int,
     out: torch.Tensor,
     num_splits: int | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Run the kernel(s) on checked inputs; ``num_splits`` None picks it by the heuristic.
+
+    ``deterministic``: a query's result must not depend on the batch, so nothing that shapes
+    its sums may: one context split (the heuristic reads the batch's size) and query tiles of
+    ``_block_m(group, 64)`` rows whatever the longest chunk. The context tiles past a query's
+    position that its query tile walks add exact zeros (weight 0, rescale by 1).
 
     The split path allocates its float32 partial outputs; the single-pass path allocates nothing.
     """
@@ -246,10 +252,12 @@ def launch_paged_attention(
         return out
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    block_m = _block_m(group, max_query_len)
+    block_m = _block_m(group, 64 if deterministic else max_query_len)
     block_q = block_m // group
     num_query_tiles = num_tokens // block_q + num_rows
-    if num_splits is None:
+    if deterministic:
+        num_splits = 1
+    elif num_splits is None:
         num_splits = choose_num_splits(num_query_tiles, num_kv_heads, max_context_len, query.device)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")

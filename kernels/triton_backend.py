@@ -55,6 +55,11 @@ def _check_device(tensor: torch.Tensor) -> None:
 class TritonBackend:
     name = "triton"
 
+    def __init__(self, deterministic: bool = False) -> None:
+        """``deterministic``: one context split and one query-tile size whatever the batch
+        (``launch_paged_attention``)."""
+        self.deterministic = deterministic
+
     def plan(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
@@ -126,7 +131,8 @@ class TritonBackend:
         num_splits: int | None = None,
     ) -> torch.Tensor:
         """Causal attention of the step's rows over the cache; ``num_splits`` None: chosen by
-        the flash-decoding heuristic (``kernels/triton_attention.py``)."""
+        the flash-decoding heuristic (``kernels/triton_attention.py``; one in deterministic
+        mode)."""
         check_attention_inputs(query, key_cache, value_cache, out)
         metadata = plan.metadata
         if query.shape[0] != metadata.slot_mapping.shape[0]:
@@ -136,7 +142,7 @@ class TritonBackend:
         return launch_paged_attention(
             query, key_cache, value_cache, metadata.query_start, metadata.context_lens,
             metadata.block_tables, scale, metadata.max_query_len, metadata.max_context_len, out,
-            num_splits,
+            num_splits, self.deterministic,
         )  # fmt: skip
 
     def attend(

@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     TypeAdapter,
     WithJsonSchema,
@@ -80,6 +81,9 @@ class _SamplingFields(_Body, StructuredFields):
     # Lower is served first under --scheduling-policy priority (vLLM's convention); an integer,
     # not a numeric string or a float.
     priority: StrictInt = Field(0, ge=-(2**31), lt=2**31)
+    # true: this request needs bitwise-reproducible outputs; accepted only by a server in
+    # deterministic mode (where every request has them), a 400 elsewhere
+    deterministic: StrictBool | None = None
 
     @field_validator("stop")
     @classmethod

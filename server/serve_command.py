@@ -41,6 +41,7 @@ _FLAG_FIELDS = (
     "quantization",
     "scheduling_policy",
     "fair_share",
+    "deterministic",
 )
 
 
@@ -141,6 +142,13 @@ def register(subparsers: Any) -> None:
         action="store_const",
         const=True,
         help="share each step's prompt-token budget between tenants",
+    )
+    engine.add_argument(
+        "--deterministic",
+        action="store_const",
+        const=True,
+        help="bitwise-identical tokens and logprobs for a request whatever else runs (eager "
+        "steps, slower; see the README)",
     )
     engine.add_argument(
         "--compile",

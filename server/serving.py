@@ -317,10 +317,20 @@ class ServerState:
 async def read_body(request: Request, model: type[BodyT]) -> BodyT:
     """The JSON body validated against ``model``; 400 naming the field otherwise. Parsed and
     validated off the event loop (a 4 MiB body takes tenths of a second). The body's
-    ``priority`` is kept on ``request.state`` for ``ServerState.start``."""
+    ``priority`` is kept on ``request.state`` for ``ServerState.start``. ``deterministic: true``
+    is a 400 unless the engine runs in deterministic mode (it cannot be granted to one request
+    alone: every request of a step shares its products)."""
     raw = await request.body()
     state: ServerState = request.app.state.server
     body = await state.off_loop(parse_body, raw, model)
+    if getattr(body, "deterministic", None) and not state.config.engine.deterministic:
+        raise APIError(
+            400,
+            "deterministic outputs need a server started in deterministic mode "
+            "(--deterministic); this one is not",
+            param="deterministic",
+            code="unsupported",
+        )
     request.state.priority = getattr(body, "priority", 0)
     return body
 

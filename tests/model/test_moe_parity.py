@@ -247,6 +247,8 @@ def test_what_cannot_run_is_refused_by_name(tmp_path) -> None:
     assert sparse_every_other.dense_mlp_layers == (0,)
     with pytest.raises(ValueError, match="quantization 'int8' is not supported for mixture"):
         _engine(model_dir, quantization="int8")
+    with pytest.raises(ValueError, match="deterministic mode is not supported for mixture"):
+        _engine(model_dir, deterministic=True)
     _edited(model_dir, moe_intermediate_size=33)  # refused before any weight is read
     with pytest.raises(TensorParallelConfigError, match=r"moe_intermediate_size \(33\)"):
         _engine(model_dir, tp=2)
