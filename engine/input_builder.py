@@ -91,3 +91,28 @@ def build_model_input(
         ),
         sample_rows=tensor(sample_rows, torch.int64),
     )
+
+
+def pad_to_two_tokens(inputs: ModelInput) -> ModelInput:
+    """A one-token step as two rows: the token, then a copy that stores no K/V (slot -1) and is
+    never sampled; the copy reads the same context and its output is dropped. Deterministic mode
+    runs every step through the compiled graph of two tokens and up (``engine/model_runner.py``).
+    """
+    if inputs.num_tokens != 1:
+        raise ValueError(f"pad_to_two_tokens takes a one-token step, not {inputs.num_tokens}")
+    metadata = inputs.metadata
+    return ModelInput(
+        input_ids=inputs.input_ids.repeat(2),
+        positions=inputs.positions.repeat(2),
+        metadata=AttentionMetadata(
+            slot_mapping=torch.cat(
+                (metadata.slot_mapping, metadata.slot_mapping.new_full((1,), -1))
+            ),
+            query_start=torch.cat((metadata.query_start, metadata.query_start[1:] + 1)),
+            context_lens=metadata.context_lens.repeat(2),
+            block_tables=metadata.block_tables.repeat(2, 1),
+            max_query_len=1,
+            max_context_len=metadata.max_context_len,
+        ),
+        sample_rows=inputs.sample_rows,
+    )

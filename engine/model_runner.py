@@ -17,7 +17,7 @@ import torch
 
 from engine.config import QuantizationConfig
 from engine.gguf_quantized import read_quantized_file
-from engine.input_builder import ModelInput, build_model_input
+from engine.input_builder import ModelInput, build_model_input, pad_to_two_tokens
 from engine.kv_cache_memory import (
     allocate_kv_cache,
     bytes_per_block,
@@ -30,7 +30,12 @@ from engine.moe import StackedExperts
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 from engine.quantization import quantize_model
 from engine.sampler import Sampler, SamplerOutput
-from engine.step_graphs import StepGraphs, compile_unsupported
+from engine.step_graphs import (
+    COMPILED,
+    StepGraphs,
+    compile_unsupported,
+    deterministic_compile_unsupported,
+)
 from engine.step_timings import Phase, StepTimings
 from engine.tensor_parallel.sharding import shard_heads
 from engine.weights import iterate_weights
@@ -150,11 +155,18 @@ class ModelRunner:
                 module.pack_weights()  # on a CPU: oneDNN layout, once
                 if deterministic:
                     module.set_deterministic()
-        unsupported = compile_unsupported(
-            device, attention_backend, parallel.world_size, deterministic
+        unsupported = compile_unsupported(device, attention_backend, parallel.world_size)
+        if deterministic and not unsupported:
+            unsupported = deterministic_compile_unsupported(self.model.model)
+        # Deterministic mode: inductor's graph of one token sums a row in another order than
+        # the graph of two and up (whose order does not depend on the step's size), so a
+        # one-token step runs padded to two; and every step runs the same code, so requests wait
+        # for the graphs instead of running eagerly while they compile.
+        self.pad_single_token = deterministic
+        self.graphs = StepGraphs(
+            self.model, compile, unsupported, single_token_graph=not deterministic
         )
-        self.graphs = StepGraphs(self.model, compile, unsupported)
-        self.graphs.start(self._dummy_step)
+        self.graphs.start(self._dummy_step, background=not deterministic)
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)
         # set while profiling: each forward pass and each sampling is timed into it
         self.timings: StepTimings | None = None
@@ -229,6 +241,8 @@ class ModelRunner:
         """One forward pass over the flat inputs: plans the step's attention (checks, indices),
         then runs the model as ``self.graphs`` decides."""
         with self._timed("forward"):
+            if self.pad_single_token and inputs.num_tokens == 1 and self.graphs.mode == COMPILED:
+                inputs = pad_to_two_tokens(inputs)
             plan = self.backend.plan(
                 inputs.positions, inputs.metadata, self.kv_cache, self.max_position
             )

@@ -16,6 +16,12 @@ the sampling rows alone.
                 stance (a step no graph fits runs eagerly instead of stalling on a compile)
              or mode "eager" for good, if compiling failed (logged)
 
+Deterministic mode compiles the graph of two tokens and up alone: its loops sum a row in the same
+order whatever the step's size (checked with ``torch.equal`` on the default model), while the
+one-token graph's differ from them; a one-token step runs padded to two
+(``engine/input_builder.py``), and the graphs compile before any request runs, so that every step
+runs the same code.
+
 So the engine serves from the moment the weights are loaded; compiling (about a minute for the
 default model on 2 cores, less when inductor's caches in ``<splitfuse cache>/compile`` are warm)
 only makes steps faster once it is done. ``wait()`` blocks until it is (offline runs, benchmarks).
@@ -49,21 +55,29 @@ COMPILE_THREAD_NAME = "splitfuse-compile"
 WARM_UP_TOKENS = (2, 1)
 
 
-def compile_unsupported(
-    device: torch.device, attention_backend: str, world_size: int, deterministic: bool = False
-) -> str:
-    """Why compiled steps cannot run here ('' when they can). Deterministic mode runs eagerly:
-    inductor generates a graph's loops for its shapes (one graph for one token, one for more),
-    and they reduce a row in other orders: the default model's compiled steps in bfloat16 gave
-    12 requests run alone other logits than the same 12 at once (all 12; eager: none)."""
+def compile_unsupported(device: torch.device, attention_backend: str, world_size: int) -> str:
+    """Why compiled steps cannot run here ('' when they can)."""
     if device.type != "cpu":
         return "compiled steps are built for CPUs"
     if attention_backend != "torch":
         return "compiled steps need the torch attention backend"
     if world_size > 1:
         return "tensor-parallel ranks run the eager forward"
-    if deterministic:
-        return "deterministic mode runs the eager forward"
+    return ""
+
+
+def deterministic_compile_unsupported(stack: nn.Module) -> str:
+    """Why deterministic mode cannot compile this decoder stack ('' when it can). Its graph of
+    two tokens and up reduces a row in the same order whatever the step's size when every product
+    in it is one whose rows never depend on the others (oneDNN with a packed weight, or the
+    quantized product: ``engine/deterministic_rows.py``); a product run as fixed tiles is a loop
+    whose length follows the step, which a graph cannot hold."""
+    from engine.layers import MatmulLayer
+
+    for name, module in stack.named_modules():
+        unpacked = isinstance(module, MatmulLayer) and module.packed_weight is None
+        if unpacked and not module.quant_bits:
+            return f"deterministic mode runs eagerly: {name} has no packed weight"
     return ""
 
 
@@ -118,10 +132,20 @@ class StepGraphs:
     # what a step that no graph fits does once the graphs are ready (tests make it fail)
     stance = "eager_on_recompile"
 
-    def __init__(self, model: nn.Module, compile: bool, unsupported: str = "") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        compile: bool,
+        unsupported: str = "",
+        single_token_graph: bool = True,
+    ) -> None:
+        """``single_token_graph``: also compile the graph of exactly one token (otherwise a
+        one-token step must reach the graph padded to two: deterministic mode, whose rows must
+        always run the same loops)."""
         self.model = model
         self.mode = EAGER
         self.compile_seconds: float | None = None
+        self.warm_up_tokens = WARM_UP_TOKENS if single_token_graph else WARM_UP_TOKENS[:1]
         self._stack: Callable[..., torch.Tensor] | None = None
         self._done = threading.Event()
         self._done.set()
@@ -172,7 +196,7 @@ class StepGraphs:
         start, rss_before = time.perf_counter(), resident_mib()
         graphs_before = self.num_graphs()
         try:
-            for num_tokens in WARM_UP_TOKENS:
+            for num_tokens in self.warm_up_tokens:
                 # inputs made outside inference mode, as the runner's are: a graph guards on
                 # its inputs' dispatch keys, which inference tensors do not share
                 input_ids, positions, plan, _ = dummy_step(num_tokens)

@@ -88,16 +88,20 @@ def _engine(model_dir: Path, dtype: str, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**config))
 
 
-def _alone(model_dir: Path, dtype: str, params: list[SamplingParams]) -> _Run:
-    run = _Run(_engine(model_dir, dtype, enable_prefix_caching=False))
+def _alone(model_dir: Path, dtype: str, params: list[SamplingParams], **overrides) -> _Run:
+    run = _Run(_engine(model_dir, dtype, enable_prefix_caching=False, **overrides))
     for index, (prompt, param) in enumerate(zip(_prompts(), params, strict=True)):
         run.engine.add_request(str(index), prompt, param)
         run.step_until_done()
     return run
 
 
-def _together(model_dir: Path, dtype: str, params, budget: int, num_blocks: int) -> _Run:
-    run = _Run(_engine(model_dir, dtype, max_batch_tokens=budget, num_kv_blocks=num_blocks))
+def _together(
+    model_dir: Path, dtype: str, params, budget: int, num_blocks: int, **overrides
+) -> _Run:
+    run = _Run(
+        _engine(model_dir, dtype, max_batch_tokens=budget, num_kv_blocks=num_blocks, **overrides)
+    )
     for index, (prompt, param) in enumerate(zip(_prompts(), params, strict=True)):
         run.engine.add_request(str(index), prompt, param)
     run.step_until_done()
@@ -126,6 +130,21 @@ def test_logits_alone_equal_logits_together(tiny_llama_dir, dtype):
         _assert_same(alone, together)
         preempted += together.engine.scheduler.num_preemptions
     assert preempted > 0  # the small pool did preempt and recompute
+
+
+def test_compiled_steps_alone_equal_together(tiny_llama_dir, monkeypatch):
+    """Compiled (float32: every product packed): one graph of two tokens and up, a lone decode
+    token padded to two, so a row runs the same loops in every step; no step runs eagerly."""
+    from engine import step_graphs
+
+    monkeypatch.setattr(step_graphs.StepGraphs, "stance", "fail_on_recompile")
+    params = _params(seeded=False)
+    alone = _alone(tiny_llama_dir, "float32", params, compile=True)
+    assert alone.engine.runner.graphs.mode == step_graphs.COMPILED
+    budget, num_blocks = TOGETHER[2]
+    together = _together(tiny_llama_dir, "float32", params, budget, num_blocks, compile=True)
+    assert together.engine.scheduler.num_preemptions > 0
+    _assert_same(alone, together)
 
 
 def test_seeded_sampling_alone_equal_together(tiny_llama_dir):

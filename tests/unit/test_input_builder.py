@@ -107,3 +107,20 @@ def test_rejects_empty_batch_and_short_block_tables() -> None:
     short = ScheduledBatch(rows=(BatchRow("s", (1, 2, 3), 3, (5,), True),))  # needs 2 blocks
     with pytest.raises(ValueError, match="need 2 blocks"):
         build_model_input(short, 4)
+
+
+def test_a_one_token_step_padded_to_two() -> None:
+    """Deterministic mode's padding: the copy reads the same context, stores nothing (slot -1)
+    and is never sampled."""
+    from engine.input_builder import pad_to_two_tokens
+
+    batch = ScheduledBatch(rows=(BatchRow("a", (50,), 5, (3, 8), True),))
+    padded = pad_to_two_tokens(build_model_input(batch, 4))
+    meta = padded.metadata
+    assert padded.input_ids.tolist() == [50, 50] and padded.positions.tolist() == [5, 5]
+    assert meta.slot_mapping.tolist() == [33, -1] and meta.query_start.tolist() == [0, 1, 2]
+    assert meta.context_lens.tolist() == [6, 6] and meta.block_tables.tolist() == [[3, 8]] * 2
+    assert padded.sample_rows.tolist() == [0] and meta.max_query_len == 1
+    two = ScheduledBatch(rows=(BatchRow("a", (50, 51), 5, (3, 8), True),))
+    with pytest.raises(ValueError, match="one-token step"):
+        pad_to_two_tokens(build_model_input(two, 4))
