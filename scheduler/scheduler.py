@@ -236,13 +236,18 @@ class Scheduler:
             # 3. Admissions in queue order, until the first that does not fit; nothing below
             # changes the waiting queue, so the admitted requests leave it after the loop.
             admitted: list[Request] = []
+            passed: set[str] = set()  # admitted or set aside in this loop
             for request in self._waiting:
                 if budget == 0 or len(rows) >= max_rows:
                     break
                 if request.group_id is not None and request.group_id in busy_groups:
+                    passed.add(request.request_id)
                     continue
+                if self._waiting.overtakes_too_far(request, passed, busy_groups):
+                    break
                 if not self._admit(request, new_requests):
                     break
+                passed.add(request.request_id)
                 admitted.append(request)
                 if request.group_id is not None:
                     busy_groups.add(request.group_id)

@@ -8,7 +8,8 @@ position, ahead of every later arrival of its priority. Aging bounds the wait: o
 requests come first, in arrival order, whatever their priority. So at most ``max_overtakes``
 requests that arrived after a request are admitted before it. Promotions take effect at
 ``promote()``, which the scheduler calls at the start of each step: the order holds still within
-a step.
+a step, and an admission that would overtake a request that became due during the step is not
+made (``overtakes_too_far``): admissions stop there, and the request goes first at the next step.
 
 Worked example, ``max_overtakes`` 2: ``a`` (priority 5) arrives, then ``b``, ``c``, ``d`` (priority
 0). The order is ``b c d a``. ``b`` is admitted (one admission since ``a`` arrived), then ``c``
@@ -103,6 +104,30 @@ class WaitingQueue:
         for _, request_id in self._by_key:
             if request_id not in promoted:
                 yield entries[request_id].request
+
+    def overtakes_too_far(
+        self, request: Request, passed: set[str], busy_groups: set[str | None]
+    ) -> bool:
+        """Whether admitting ``request`` now would overtake an earlier arrival that has waited
+        through ``max_overtakes`` admissions and could run now: not in ``passed`` (admitted or
+        set aside this step) nor a member of a group in ``busy_groups`` (which waits for another
+        member's prompt anyway). Promotions hold still within a step, so several admissions in
+        one step could otherwise push such a request past its bound; the scheduler stops
+        admitting instead, and the request is promoted at the next step."""
+        if not self.by_priority:
+            return False
+        due_mark = self.num_admitted - self.max_overtakes
+        own_seq = self._entries[request.request_id].seq
+        for seq, request_id in self._by_seq:
+            entry = self._entries[request_id]
+            if seq >= own_seq or entry.mark > due_mark:
+                return False  # marks grow with arrival: no later arrival is due either
+            if request_id in passed:
+                continue
+            group_id = entry.request.group_id
+            if group_id is None or group_id not in busy_groups:
+                return True
+        return False
 
     def first(self) -> Request | None:
         return next(iter(self), None)

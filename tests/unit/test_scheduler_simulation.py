@@ -255,10 +255,13 @@ def _check_step(
             assert request_id in request_ids or num_tokens == num_computed
             if num_tokens - num_computed > 1 and request.group_id is not None:
                 busy_groups.add(request.group_id)
-        # ... and the first admissible waiting request does not fit in the free blocks.
+        # ... and the first admissible waiting request does not fit in the free blocks, or
+        # (priority) admitting it would overtake an earlier arrival past its bound.
         for request in scheduler.waiting_requests():
             if request.group_id in busy_groups:
                 continue
+            if scheduler._waiting.overtakes_too_far(request, set(), busy_groups):
+                break
             blocks, _ = kv.get_computed_blocks(request)
             num_evictable = sum(1 for b in blocks if kv.pool.ref_count(b) == 0)
             num_needed = kv.num_blocks_for(request.num_tokens) - len(blocks) + num_evictable
@@ -506,3 +509,26 @@ def test_fair_share_holds_each_tenants_share_over_a_long_random_run():
     assert total >= 3000 * 256 * 0.99
     for tenant, count in tokens.items():
         assert abs(count / total - 1 / 3) < 0.01, (tenant, tokens)
+
+
+def test_admissions_within_one_step_keep_the_overtake_bound():
+    """Promotions hold still within a step: before admissions checked for an earlier arrival
+    that had become due during the step, two admissions in one step took a request past its
+    bound (overtaken 7 times with ``max_overtakes`` 6)."""
+    config = SimConfig(
+        num_requests=13,
+        max_prompt=42,
+        max_output=22,
+        max_model_len=50,
+        block_size=1,
+        num_blocks=42,
+        budget=28,
+        max_seqs=2,
+        prompt_vocab=2,
+        abort_rate=0.0,
+        enable_prefix_caching=False,
+        policy="priority",
+        max_overtakes=6,
+    )
+    for seed in (170, 197, 546, 605):
+        simulate(config, seed)
