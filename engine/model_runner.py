@@ -153,7 +153,7 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, (MatmulLayer, StackedExperts)):
                 module.pack_weights()  # on a CPU: oneDNN layout, once
-                if deterministic:
+                if deterministic and isinstance(module, MatmulLayer):  # MoE is refused
                     module.set_deterministic()
         unsupported = compile_unsupported(device, attention_backend, parallel.world_size)
         if deterministic and not unsupported:
