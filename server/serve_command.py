@@ -147,8 +147,8 @@ def register(subparsers: Any) -> None:
         "--deterministic",
         action="store_const",
         const=True,
-        help="bitwise-identical tokens and logprobs for a request whatever else runs (eager "
-        "steps, slower; see the README)",
+        help="bitwise-identical tokens and logprobs for a request whatever else runs (slower; "
+        "start-up waits for the compiled graph; see the README)",
     )
     engine.add_argument(
         "--compile",
