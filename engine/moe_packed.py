@@ -14,12 +14,11 @@ experts a reference-type opaque object: a compiled graph calls it as it is.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBase
 
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
-from kernels.torch_moe import add_pairs, sort_pairs
+from kernels.torch_moe import grouped_experts
 
 __all__ = ["PackedExperts", "can_pack_experts"]
 
@@ -52,21 +51,15 @@ def packed_moe_experts(
 ) -> torch.Tensor:
     """``moe_experts`` of ``kernels/torch_moe.py`` on packed weights: ``[num_tokens, hidden]``."""
     intermediate = experts.intermediate
-    order, token_of_pair, counts = sort_pairs(topk_ids, len(experts.down))
-    sorted_hidden = hidden[token_of_pair]  # [num_pairs, hidden]
-    pair_out = torch.empty_like(sorted_hidden)
-    start = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        rows = slice(start, start + count)
-        gate_up = packed_linear(
-            sorted_hidden[rows], experts.gate_up[expert], 2 * intermediate, None
-        )
-        activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        pair_out[rows] = packed_linear(activated, experts.down[expert], experts.hidden_size, None)
-        start += count
-    return add_pairs(pair_out, topk_weights, order, token_of_pair)
+    return grouped_experts(
+        hidden,
+        topk_weights,
+        topk_ids,
+        len(experts.down),
+        intermediate,
+        lambda rows, e: packed_linear(rows, experts.gate_up[e], 2 * intermediate, None),
+        lambda rows, e: packed_linear(rows, experts.down[e], experts.hidden_size, None),
+    )
 
 
 def _packed_moe_experts_shape(

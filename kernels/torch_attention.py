@@ -375,6 +375,22 @@ def _decode_attention(
     return attended.view(num_rows, num_heads, head_dim)
 
 
+def _gather_prompt_group(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_rows: torch.Tensor,  # [num_slots * num_kv_heads, head_dim]
+    value_rows: torch.Tensor,
+    group: PromptGroup,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The group's queries ``[num_rows, num_heads, padded_q, head_dim]`` and its rows' keys and
+    values ``[num_rows, num_kv_heads, padded_len, head_dim]``."""
+    num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
+    queries = query[group.query_rows].view(num_rows, group.padded_q, num_heads, head_dim)
+    shape = (num_rows, -1, group.padded_len, head_dim)
+    keys = key_rows.index_select(0, group.kv_rows).view(shape)
+    values = value_rows.index_select(0, group.kv_rows).view(shape)
+    return queries.transpose(1, 2), keys, values
+
+
 def _attend_prompt_group(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_rows: torch.Tensor,  # [num_slots * num_kv_heads, head_dim]
@@ -386,12 +402,7 @@ def _attend_prompt_group(
     """Prompt chunks at once: query i of a row (position ctx_len - q_len + i) sees positions
     0 .. its own."""
     num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
-    # [num_rows, num_heads, padded_q, head_dim]
-    queries = query[group.query_rows].view(num_rows, group.padded_q, num_heads, head_dim)
-    queries = queries.transpose(1, 2)
-    shape = (num_rows, -1, group.padded_len, head_dim)  # [rows, num_kv_heads, padded_len, dim]
-    keys = key_rows.index_select(0, group.kv_rows).view(shape)
-    values = value_rows.index_select(0, group.kv_rows).view(shape)
+    queries, keys, values = _gather_prompt_group(query, key_rows, value_rows, group)
     gqa = num_heads != keys.shape[1]
     if group.query_chunks:
         attended = torch.cat(
@@ -435,14 +446,9 @@ def _attend_prompt_group_fixed_order(
     zeros, so chunking changes no bit."""
     num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
     padded_q, padded_len = group.padded_q, group.padded_len
-    shape = (num_rows, -1, padded_len, head_dim)  # [rows, num_kv_heads, padded_len, dim]
-    keys = key_rows.index_select(0, group.kv_rows).view(shape)
-    values = value_rows.index_select(0, group.kv_rows).view(shape)
+    queries, keys, values = _gather_prompt_group(query, key_rows, value_rows, group)
     num_kv_heads = keys.shape[1]
     group_heads = num_heads // num_kv_heads
-    # [num_rows, num_heads, padded_q, head_dim]
-    queries = query[group.query_rows].view(num_rows, padded_q, num_heads, head_dim)
-    queries = queries.transpose(1, 2)
     assert group.mask is not None  # a deterministic plan always holds it
     chunks = group.query_chunks or ((0, padded_q, padded_len, group.mask),)
     attended = []

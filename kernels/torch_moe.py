@@ -22,10 +22,12 @@ per-expert row counts are data), so a compiled step graph does not specialize on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_pairs", "moe_experts", "route_topk", "sort_pairs"]
+__all__ = ["add_pairs", "grouped_experts", "moe_experts", "route_topk", "sort_pairs"]
 
 
 def route_topk(
@@ -117,15 +119,19 @@ def add_pairs(
     return out.index_add_(0, token_of_pair, pair_out)
 
 
-def _moe_experts(
-    hidden: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+def grouped_experts(
+    hidden: torch.Tensor,  # [num_tokens, hidden]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k]
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int64
+    num_experts: int,
+    intermediate: int,
+    gate_up: Callable[[torch.Tensor, int], torch.Tensor],
+    down: Callable[[torch.Tensor, int], torch.Tensor],
 ) -> torch.Tensor:
-    intermediate = w_down.shape[2]
-    order, token_of_pair, counts = sort_pairs(topk_ids, w_down.shape[0])
+    """The grouping of ``moe_experts`` around any product: ``gate_up(rows, expert)`` ->
+    ``[count, 2 * intermediate]`` and ``down(rows, expert)`` -> ``[count, hidden]`` run once per
+    expert with work, on all of its tokens; ``[num_tokens, hidden]``."""
+    order, token_of_pair, counts = sort_pairs(topk_ids, num_experts)
     sorted_hidden = hidden[token_of_pair]  # [num_pairs, hidden]
     pair_out = torch.empty_like(sorted_hidden)
     start = 0
@@ -133,11 +139,29 @@ def _moe_experts(
         if not count:
             continue
         rows = slice(start, start + count)
-        gate_up = F.linear(sorted_hidden[rows], w_gate_up[expert])  # [count, 2 * intermediate]
-        activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        pair_out[rows] = F.linear(activated, w_down[expert])
+        projected = gate_up(sorted_hidden[rows], expert)  # [count, 2 * intermediate]
+        activated = F.silu(projected[:, :intermediate]) * projected[:, intermediate:]
+        pair_out[rows] = down(activated, expert)
         start += count
     return add_pairs(pair_out, topk_weights, order, token_of_pair)
+
+
+def _moe_experts(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    return grouped_experts(
+        hidden,
+        topk_weights,
+        topk_ids,
+        w_down.shape[0],
+        w_down.shape[2],
+        lambda rows, expert: F.linear(rows, w_gate_up[expert]),
+        lambda rows, expert: F.linear(rows, w_down[expert]),
+    )
 
 
 def _moe_experts_shape(
