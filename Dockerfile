@@ -68,7 +68,7 @@ ENV SPLITFUSE_CACHE=/var/cache/splitfuse \
     TORCH_EXTENSIONS_DIR=/var/cache/splitfuse/torch_extensions
 # The CPU quantized product (C++) is built into the cache now, not at the first start.
 RUN mkdir -p "$SPLITFUSE_CACHE" \
-    && python -m kernels.quant_cpu \
+    && python -m kernels.cpu_ops \
     && if [ "$PREPARE_MODEL" = "1" ]; then splitfuse model prepare; fi
 
 # ---- runtime: the environment and the model cache, run by an unprivileged user -----------------

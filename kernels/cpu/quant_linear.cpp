@@ -223,11 +223,11 @@ namespace {
 using ColumnsFn = void (*)(const float*, int64_t, int64_t, int64_t, const void*, const uint16_t*,
                            const uint16_t*, int, int64_t, int64_t, int64_t, float*, float*);
 
-// The widest body the CPU runs; SPLITFUSE_QUANT_ISA=avx2 or sse2 asks for a narrower one (tests
+// The widest body the CPU runs; SPLITFUSE_CPU_ISA=avx2 or sse2 asks for a narrower one (tests
 // run every body on one machine).
 ColumnsFn pick_columns_fn() {
   __builtin_cpu_init();
-  const char* asked = std::getenv("SPLITFUSE_QUANT_ISA");
+  const char* asked = std::getenv("SPLITFUSE_CPU_ISA");
   const std::string limit = asked == nullptr ? "" : asked;
   if (limit == "sse2") return splitfuse_sse2::quant_linear_columns;
   if (limit != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

@@ -21,6 +21,8 @@ from engine.layers import ColumnParallelLinear
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.quantization import quantize
 from kernels import AttentionMetadata, get_backend
+from kernels.cpu_ops import has_fixed_order_attention
+from kernels.torch_backend import TorchBackend
 
 ROW_COUNTS = [2, 3, 4, 5, 7, 12, 16, 17, 33, 64, 100, 255]
 
@@ -55,7 +57,7 @@ def test_packed_product_rows_do_not_depend_on_the_batch(dtype, shape):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_product_rows_do_not_depend_on_the_batch(bits, dtype):
-    from kernels.quant_cpu import load
+    from kernels.cpu_ops import load
 
     load()
     quantized = quantize(torch.randn(768, 576) * 0.05, bits, 32)
@@ -186,11 +188,14 @@ def _assert_attention_invariant(backend, sequences, lengths, seed, num_batches):
             assert torch.equal(sequences.attend(backend, rows)[token], alone), (target, rows)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpp", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_attention_query_does_not_depend_on_the_batch(dtype):
+def test_torch_attention_query_does_not_depend_on_the_batch(dtype, kernel):
+    if kernel and not has_fixed_order_attention():
+        pytest.skip("the C++ operators did not build")
     lengths = [150, 40, 77, 9]
     sequences = Sequences(lengths, 9, 3, 64, dtype, "cpu")
-    backend = get_backend("torch", deterministic=True)
+    backend = TorchBackend(deterministic=True, fixed_order_kernel=kernel)
     _assert_attention_invariant(backend, sequences, lengths, seed=3, num_batches=25)
     # whole prompts of 150 and 140 tokens: attended by query chunks (``QUERY_CHUNK``)
     whole = sequences.attend(backend, [(2, 0, 77), (0, 0, 150)])

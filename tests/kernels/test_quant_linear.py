@@ -26,7 +26,7 @@ from engine.quantization import (
     quantize,
     unpack_4bit,
 )
-from kernels.quant_cpu import load
+from kernels.cpu_ops import load
 
 LAYOUTS = [(4, 32), (4, 64), (4, 128), (8, 32), (8, 128), (8, None)]
 
@@ -124,7 +124,7 @@ def test_the_product_refuses_what_it_cannot_read():
 _NARROWER_CHECK = """
 import torch, torch.nn.functional as F
 from engine.quantization import quantize
-from kernels.quant_cpu import load
+from kernels.cpu_ops import load
 kind = load()
 for bits, size in [(4, 32), (8, 64), (8, 128)]:
     for rows in (1, 3, 7, 64):
@@ -143,7 +143,7 @@ def test_the_narrower_instruction_sets_compute_the_same(isa):
         pytest.skip("the C++ product is not built here")
     if isa == "avx2" and "avx2" not in cpu_flags():
         pytest.skip("this CPU has no AVX2")
-    env = {**os.environ, "SPLITFUSE_QUANT_ISA": isa}
+    env = {**os.environ, "SPLITFUSE_CPU_ISA": isa}
     result = subprocess.run(
         [sys.executable, "-c", _NARROWER_CHECK], env=env, capture_output=True, text=True
     )

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from engine.config import EngineConfig, QuantizationConfig
 from engine.quantization import resolve_quantization
-from kernels.quant_cpu import load
+from kernels.cpu_ops import load
 from server.config import ServerConfig, load_config
 from server.serve_command import flags_from_args
 

@@ -1,6 +1,11 @@
-"""The CPU weight-only quantized product ``splitfuse_cpu::quant_linear``: a C++ operator built
-from ``kernels/cpu/`` by torch's extension builder (once; ``make install`` builds it, later
-imports load the cached library), with a PyTorch fallback where no C++ compiler is there.
+"""The C++ CPU operators of ``kernels/cpu/``, built by torch's extension builder (once; ``make
+install`` builds them, later imports load the cached library):
+
+- ``splitfuse_cpu::quant_linear``, the weight-only quantized product, with a PyTorch fallback
+  where no C++ compiler is there;
+- ``splitfuse_cpu::fixed_order_attention``, deterministic mode's attention over the paged cache
+  (``kernels/torch_attention.py``; without a compiler that mode attends with PyTorch products in a
+  fixed order instead, ``has_fixed_order_attention``).
 
 ``quant_linear(x, qweight, scales, mins, bits, group_size)``: x [M, K] float32 or bfloat16 times
 the dequantized weight [N, K] transposed -> [M, N] float32 (layouts in ``engine/quantization.py``).
@@ -33,7 +38,10 @@ def _build() -> str:
 
     cpp_extension.load(
         name=_EXTENSION,
-        sources=[str(_SOURCE_DIR / "quant_linear.cpp")],
+        sources=[
+            str(_SOURCE_DIR / "quant_linear.cpp"),
+            str(_SOURCE_DIR / "fixed_order_attention.cpp"),
+        ],
         extra_include_paths=[str(_SOURCE_DIR)],
         extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"],
         extra_ldflags=[],
@@ -71,7 +79,9 @@ def load() -> str:
             kind = _build()
         except Exception as error:  # no compiler, no headers: the fallback keeps things working
             logger.warning(
-                "the C++ quantized product could not be built (%s); using PyTorch", error
+                "the C++ CPU operators could not be built (%s); quantized products and "
+                "deterministic attention use PyTorch",
+                error,
             )
             _define_fallback()
             kind = "torch"
@@ -80,9 +90,21 @@ def load() -> str:
         def _fake(x, qweight, scales, mins, bits, group_size):  # type: ignore[no-untyped-def]
             return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
+        if kind != "torch":
+
+            @torch.library.register_fake("splitfuse_cpu::fixed_order_attention")
+            def _fake_attention(query, key_cache, value_cache, tables, rows, lens, scale):  # type: ignore[no-untyped-def]
+                return query.new_empty(query.shape, dtype=torch.float32)
+
         _state["kind"] = kind
         return kind
 
 
-if __name__ == "__main__":  # ``python -m kernels.quant_cpu``: build at install time
+def has_fixed_order_attention() -> bool:
+    """Whether ``torch.ops.splitfuse_cpu.fixed_order_attention`` is there (builds or loads the
+    operators on the first call)."""
+    return load() != "torch"
+
+
+if __name__ == "__main__":  # ``python -m kernels.cpu_ops``: build at install time
     print(f"splitfuse_cpu::quant_linear runs with {load()}")

@@ -1,0 +1,234 @@
+// splitfuse_cpu::fixed_order_attention: causal attention of a step's query tokens over the paged
+// KV cache, each query's result the same bits whatever else the step holds (how many tokens and
+// rows, which chunk a token arrived in, which tokens share its thread): deterministic mode's CPU
+// attention. Token t attends to positions 0 .. token_lens[t] - 1 of row token_rows[t] of the
+// block tables, reading K/V in place (no gather); threads share (token, KV head) items, each
+// computed whole by one thread. float32 arithmetic, float32 result [num_tokens, num_heads,
+// head_dim]. The order of every sum is in fixed_order_attention_body.h.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Bf16 {
+  uint16_t bits;
+};
+struct Fp16 {
+  uint16_t bits;
+};
+
+struct FixedOrderArgs {
+  const void* query;  // [num_tokens, num_heads, head_dim], rows query_stride apart
+  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_rows, table_stride]
+  const int32_t* token_rows;  // [num_tokens]
+  const int32_t* token_lens;  // [num_tokens]
+  float* out;  // [num_tokens, num_heads, head_dim]
+  int64_t num_tokens, query_stride, table_stride, slot_stride, block_size;
+  int64_t num_heads, num_kv_heads, head_dim;
+  float scale;
+  int kinds;  // query kind * 3 + cache kind; kind: 0 float32, 1 bfloat16, 2 float16
+};
+
+// float16 bits as a float, exactly (normals, subnormals, zeros, infinities, NaNs)
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {
+    exponent = 113;
+    while ((mantissa & 0x400) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(Bf16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof value);
+  return value;
+}
+inline float to_float(Fp16 v) { return half_bits_to_float(v.bits); }
+
+constexpr int kLanes = 16;
+constexpr int64_t kBlock = 16;  // positions whose values are widened at once
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef uint32_t __attribute__((may_alias)) uint32_alias;
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace splitfuse_attention_avx512 {
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+#include "fixed_order_attention_body.h"
+}  // namespace splitfuse_attention_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace splitfuse_attention_avx2 {
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+  const v8 lo = (v8)_mm256_fmadd_ps(
+      (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+      (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+      (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const v8 hi = (v8)_mm256_fmadd_ps(
+      (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+      (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+      (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#include "fixed_order_attention_body.h"
+}  // namespace splitfuse_attention_avx2
+#pragma GCC pop_options
+
+namespace splitfuse_attention_base {
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+  for (int l = 0; l < kLanes; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+  return c;
+}
+#include "fixed_order_attention_body.h"
+}  // namespace splitfuse_attention_base
+
+namespace {
+
+using RunFn = void (*)(const FixedOrderArgs&, int64_t, int64_t);
+
+// The widest body the CPU runs (they give the same bits); SPLITFUSE_CPU_ISA=avx2 or sse2 asks
+// for a narrower one, as for the quantized product.
+RunFn pick_run_fn() {
+  __builtin_cpu_init();
+  const char* asked = std::getenv("SPLITFUSE_CPU_ISA");
+  const std::string limit = asked == nullptr ? "" : asked;
+  if (limit == "sse2") return splitfuse_attention_base::fixed_order_run;
+  if (limit != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return splitfuse_attention_avx512::fixed_order_run;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return splitfuse_attention_avx2::fixed_order_run;
+  return splitfuse_attention_base::fixed_order_run;
+}
+
+const RunFn run_fn = pick_run_fn();
+
+int kind_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return 0;
+    case at::kBFloat16:
+      return 1;
+    case at::kHalf:
+      return 2;
+    default:
+      TORCH_CHECK(false, "fixed_order_attention: ", name,
+                  " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+at::Tensor fixed_order_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& token_rows, const at::Tensor& token_lens,
+                                 double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "fixed_order_attention: query must be [num_tokens, num_heads, head_dim] with "
+              "contiguous heads");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(),
+              "fixed_order_attention: the caches must be contiguous [num_blocks, block_size, "
+              "num_kv_heads, head_dim] tensors of one shape and dtype");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "fixed_order_attention: the caches' heads do not match the query's");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() &&
+                  block_tables.scalar_type() == at::kInt && token_rows.is_contiguous() &&
+                  token_rows.scalar_type() == at::kInt && token_lens.is_contiguous() &&
+                  token_lens.scalar_type() == at::kInt && token_rows.dim() == 1 &&
+                  token_lens.dim() == 1 && token_rows.size(0) == num_tokens &&
+                  token_lens.size(0) == num_tokens,
+              "fixed_order_attention: block_tables must be contiguous int32 [num_rows, "
+              "max_blocks], token_rows and token_lens int32 [num_tokens]");
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu() &&
+                  block_tables.device().is_cpu(),
+              "fixed_order_attention: CPU tensors only");
+  const int64_t num_rows = block_tables.size(0), table_stride = block_tables.size(1);
+  const int32_t* rows = token_rows.data_ptr<int32_t>();
+  const int32_t* lens = token_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {  // every read inside the tables and the cache
+    TORCH_CHECK(rows[t] >= 0 && rows[t] < num_rows && lens[t] >= 1 &&
+                    lens[t] <= table_stride * block_size,
+                "fixed_order_attention: token ", t, " reads row ", rows[t], " for ", lens[t],
+                " positions");
+    const int32_t* table = tables + static_cast<int64_t>(rows[t]) * table_stride;
+    for (int64_t b = 0; b < (lens[t] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "fixed_order_attention: token ", t,
+                  " reads block ", table[b], " of ", num_blocks);
+  }
+  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options().dtype(at::kFloat));
+  if (num_tokens == 0) return out;
+  FixedOrderArgs args{query.data_ptr(),
+                      key_cache.data_ptr(),
+                      value_cache.data_ptr(),
+                      tables,
+                      rows,
+                      lens,
+                      out.data_ptr<float>(),
+                      num_tokens,
+                      query.stride(0),
+                      table_stride,
+                      num_kv_heads * head_dim,
+                      block_size,
+                      num_heads,
+                      num_kv_heads,
+                      head_dim,
+                      static_cast<float>(scale),
+                      kind_of(query, "query") * 3 + kind_of(key_cache, "the caches")};
+  // Items in the order first, last, second, second to last, ...: a thread's contiguous share
+  // then holds long and short contexts alike (a prompt's later tokens read more positions).
+  const int64_t num_items = num_tokens * num_kv_heads;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) { run_fn(args, begin, end); });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
+  m.def("fixed_order_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor token_rows, Tensor token_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {
+  m.impl("fixed_order_attention", fixed_order_attention);
+}

@@ -1,0 +1,151 @@
+// The body of splitfuse_cpu::fixed_order_attention, included once per instruction set by
+// fixed_order_attention.cpp. Every number a query's result depends on is computed by the same
+// operations in the same order whatever else the call holds:
+//   score(q, p)  = sum over head_dim in 16 fixed lanes (lane l adds dims l, l + 16, ... with
+//                  fused multiply-adds), the lanes added as a fixed tree, times the scale
+//   weight(q, p) = exp(score - max score): a polynomial of fused multiply-adds (exp_nonpositive)
+//   sum          = the weights added one position after another
+//   out(q)       = per dim, weight * value added one position after another, then / sum
+// Only IEEE operations with one rounding each appear (fused multiply-adds spelled out: fma16 and
+// std::fma), so a vectorized loop and its scalar remainder give the same bits, and so do the
+// AVX-512, AVX2 and plain builds.
+
+static inline float exp_nonpositive(float x) {
+  // exp(x) for x <= 0, within ~1 ulp; 0 below -87.3 (where exp leaves the normal floats).
+  const float clamped = x < -87.3f ? -87.3f : x;
+  const float shifted = std::fma(clamped, 1.44269504088896341f, 12582912.0f);  // round to integer
+  const float n = shifted - 12582912.0f;
+  float r = std::fma(n, -0.693359375f, clamped);  // x - n ln 2, in two parts
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float r2 = r * r;
+  const float y = std::fma(p, r2, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
+  float power;
+  __builtin_memcpy(&power, &bits, sizeof power);
+  return x < -87.3f ? 0.0f : y * power;
+}
+
+static inline v16 load16(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// The 16 lanes added as a fixed tree: halves, quarters, then ((0 + 2) + (1 + 3)).
+static inline float lane_tree(v16 acc) {
+  const v8 eighths = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 quarters = __builtin_shufflevector(eighths, eighths, 0, 1, 2, 3) +
+                      __builtin_shufflevector(eighths, eighths, 4, 5, 6, 7);
+  return (quarters[0] + quarters[2]) + (quarters[1] + quarters[3]);
+}
+
+template <typename CacheT>
+static inline void load_row(const CacheT* in, int64_t n, float* out) {
+  for (int64_t d = 0; d < n; ++d) out[d] = to_float(in[d]);
+}
+
+// bfloat16 -> float32 is a shift of the bits (exact), in a loop the compiler vectorizes
+template <>
+inline void load_row<Bf16>(const Bf16* in, int64_t n, float* out) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(in);
+  auto* words = reinterpret_cast<uint32_alias*>(out);
+  for (int64_t d = 0; d < n; ++d) words[d] = static_cast<uint32_t>(bits[d]) << 16;
+}
+
+template <typename QueryT, typename CacheT>
+static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
+  const int64_t G = a.num_heads / a.num_kv_heads, D = a.head_dim;
+  const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> queries(G * Dp, 0.0f), row(Dp, 0.0f), block(kBlock * Dp, 0.0f);
+  std::vector<float> out(G * Dp), totals(G), weights;
+  const auto* query = static_cast<const QueryT*>(a.query);
+  const auto* keys = static_cast<const CacheT*>(a.key_cache);
+  const auto* values = static_cast<const CacheT*>(a.value_cache);
+  float* result = a.out;
+  const int64_t num_items = a.num_tokens * a.num_kv_heads;
+  for (int64_t k = begin; k < end; ++k) {
+    const int64_t item = k % 2 == 0 ? k / 2 : num_items - 1 - k / 2;
+    const int64_t token = item / a.num_kv_heads, kv_head = item % a.num_kv_heads;
+    const int64_t length = a.token_lens[token];
+    const int32_t* table = a.block_tables + a.token_rows[token] * a.table_stride;
+    for (int64_t h = 0; h < G; ++h) {
+      const QueryT* q = query + token * a.query_stride + (kv_head * G + h) * D;
+      for (int64_t d = 0; d < D; ++d) queries[h * Dp + d] = to_float(q[d]);
+    }
+    weights.resize(G * length);
+    for (int64_t p = 0; p < length; ++p) {
+      const int64_t slot = static_cast<int64_t>(table[p / a.block_size]) * a.block_size +
+                           p % a.block_size;
+      load_row(keys + slot * a.slot_stride + kv_head * D, D, row.data());
+      for (int64_t h = 0; h < G; ++h) {
+        const float* q = queries.data() + h * Dp;
+        v16 acc = {};
+        for (int64_t d0 = 0; d0 < Dp; d0 += kLanes)
+          acc = fma16(load16(q + d0), load16(row.data() + d0), acc);
+        weights[h * length + p] = lane_tree(acc) * a.scale;
+      }
+    }
+    for (int64_t h = 0; h < G; ++h) {
+      float* w = weights.data() + h * length;
+      float top = w[0];
+      for (int64_t p = 1; p < length; ++p) top = w[p] > top ? w[p] : top;
+      for (int64_t p = 0; p < length; ++p) w[p] = exp_nonpositive(w[p] - top);
+      float total = 0.0f;
+      for (int64_t p = 0; p < length; ++p) total = total + w[p];
+      totals[h] = total;
+    }
+    // out += weight * value, one position after another; a block of positions' values is
+    // widened once and each accumulator stays in a register across the block
+    std::fill(out.begin(), out.end(), 0.0f);
+    for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
+      const int64_t n = std::min<int64_t>(kBlock, length - p0);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = p0 + i;
+        const int64_t slot = static_cast<int64_t>(table[p / a.block_size]) * a.block_size +
+                             p % a.block_size;
+        load_row(values + slot * a.slot_stride + kv_head * D, D, block.data() + i * Dp);
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        const float* w = weights.data() + h * length + p0;
+        float* o = out.data() + h * Dp;
+        for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) {
+          v16 acc = load16(o + d0);
+          for (int64_t i = 0; i < n; ++i)
+            acc = fma16(v16{} + w[i], load16(block.data() + i * Dp + d0), acc);
+          store16(o + d0, acc);
+        }
+      }
+    }
+    for (int64_t h = 0; h < G; ++h) {
+      float* o = result + (token * a.num_heads + kv_head * G + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = out[h * Dp + d] / totals[h];
+    }
+  }
+}
+
+static void fixed_order_run(const FixedOrderArgs& a, int64_t begin, int64_t end) {
+  switch (a.kinds) {
+#define SF_CASE(Q, C, QT, CT) \
+  case (Q) * 3 + (C):         \
+    return fixed_order_items<QT, CT>(a, begin, end);
+    SF_CASE(0, 0, float, float)
+    SF_CASE(0, 1, float, Bf16)
+    SF_CASE(0, 2, float, Fp16)
+    SF_CASE(1, 0, Bf16, float)
+    SF_CASE(1, 1, Bf16, Bf16)
+    SF_CASE(1, 2, Bf16, Fp16)
+    SF_CASE(2, 0, Fp16, float)
+    SF_CASE(2, 1, Fp16, Bf16)
+    SF_CASE(2, 2, Fp16, Fp16)
+#undef SF_CASE
+  }
+}

@@ -1,0 +1,161 @@
+"""``splitfuse_cpu::fixed_order_attention`` (``kernels/cpu/fixed_order_attention.cpp``), the C++
+attention of deterministic mode on CPUs: against a float64 reference over the same paged cache,
+for every query and cache dtype, grouped-query ratios and head sizes that are not a multiple of
+its 16 lanes; a token's result the same bits alone, among others and through every instruction
+set's body; bad tables refused before anything runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels.cpu_ops import has_fixed_order_attention
+from tests.kernels.test_quant_linear import cpu_flags
+
+pytestmark = pytest.mark.skipif(
+    not has_fixed_order_attention(), reason="the C++ operators did not build"
+)
+
+
+def _case(
+    q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, cache_dtype, seed
+):
+    """A paged cache with shuffled blocks, rows (q_len, ctx_len) and each token's row and
+    context length, as the deterministic plan builds them."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in ctx_lens]
+    num_blocks = sum(blocks) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = torch.zeros(len(ctx_lens), max(blocks), dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(blocks):
+        tables[row, :count] = torch.tensor(order[start : start + count])
+        start += count
+    query = (torch.randn(sum(q_lens), num_heads, head_dim, generator=generator) * 2).to(dtype)
+    rows, lens = [], []
+    for row, (q_len, ctx_len) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+        rows += [row] * q_len
+        lens += [ctx_len - q_len + i + 1 for i in range(q_len)]
+    return (
+        query,
+        key_cache,
+        value_cache,
+        tables,
+        torch.tensor(rows, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+    )
+
+
+def _reference(query, key_cache, value_cache, tables, rows, lens, scale):
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    group = query.shape[1] // num_kv_heads
+    out = []
+    for token in range(query.shape[0]):
+        positions = torch.arange(int(lens[token]))
+        table = tables[int(rows[token])].long()
+        slots = table[positions // block_size] * block_size + positions % block_size
+        keys = key_cache.view(-1, num_kv_heads, head_dim)[slots].double()
+        values = value_cache.view(-1, num_kv_heads, head_dim)[slots].double()
+        keys = keys.repeat_interleave(group, 1)  # [positions, heads, head_dim]
+        values = values.repeat_interleave(group, 1)
+        scores = torch.einsum("hd,phd->hp", query[token].double(), keys) * scale
+        out.append(torch.einsum("hp,phd->hd", scores.softmax(-1), values))
+    return torch.stack(out)
+
+
+def _attend(query, key_cache, value_cache, tables, rows, lens, scale):
+    return torch.ops.splitfuse_cpu.fixed_order_attention(
+        query, key_cache, value_cache, tables, rows, lens, scale
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 16), ((9, 3), 64), ((8, 2), 40)])
+def test_matches_a_float64_reference(dtype, cache_dtype, heads, head_dim):
+    case = _case([1, 1, 5, 1, 30], [1, 33, 70, 200, 30], *heads, head_dim, 8, dtype, cache_dtype, 0)
+    scale = head_dim**-0.5
+    got = _attend(*case, scale)
+    assert got.dtype == torch.float32 and got.shape == case[0].shape
+    want = _reference(*case, scale)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+
+
+def test_a_token_gives_the_same_bits_alone_and_among_others():
+    case = _case([1, 40, 1, 17], [90, 40, 3, 60], 9, 3, 64, 16, torch.bfloat16, torch.bfloat16, 1)
+    query, key_cache, value_cache, tables, rows, lens = case
+    together = _attend(*case, 0.125)
+    for token in (0, 1, 20, 40, 41, 42, 57):
+        alone = _attend(
+            query[token : token + 1],
+            key_cache,
+            value_cache,
+            tables,
+            rows[token : token + 1],
+            lens[token : token + 1],
+            0.125,
+        )
+        assert torch.equal(alone[0], together[token]), token
+    # tokens in another order, the tables padded wider: the same bits
+    order = torch.randperm(query.shape[0], generator=torch.Generator().manual_seed(2))
+    wider = torch.cat((tables, tables[:, :1].expand(-1, 3)), dim=1).contiguous()
+    shuffled = _attend(query[order], key_cache, value_cache, wider, rows[order], lens[order], 0.125)
+    assert torch.equal(shuffled, together[order])
+
+
+def test_bad_tables_are_refused():
+    query, key_cache, value_cache, tables, rows, lens = _case(
+        [1, 1], [9, 20], 4, 2, 16, 8, torch.float32, torch.float32, 3
+    )
+    bad = tables.clone()
+    bad[1, 2] = key_cache.shape[0]  # a block past the cache
+    with pytest.raises(RuntimeError, match="reads block"):
+        _attend(query, key_cache, value_cache, bad, rows, lens, 0.25)
+    with pytest.raises(RuntimeError, match="positions"):
+        _attend(query, key_cache, value_cache, tables, rows, lens * 100, 0.25)
+    with pytest.raises(RuntimeError, match="int32"):
+        _attend(query, key_cache, value_cache, tables.long(), rows, lens, 0.25)
+
+
+_NARROWER_CHECK = """
+import sys, torch
+from kernels.cpu_ops import load
+from tests.kernels.test_fixed_order_attention import _attend, _case
+load()
+case = _case([1, 9, 1], [50, 30, 17], 9, 3, 64, 8, torch.bfloat16, torch.bfloat16, 5)
+torch.save(_attend(*case, 0.125), sys.argv[1])
+"""
+
+
+def test_every_instruction_set_gives_the_same_bits(tmp_path):
+    results = {}
+    for isa in ["", "avx2", "sse2"]:
+        if isa == "avx2" and "avx2" not in cpu_flags():
+            continue
+        path = tmp_path / f"{isa or 'widest'}.pt"
+        env = {**os.environ, "SPLITFUSE_CPU_ISA": isa}
+        done = subprocess.run(
+            [sys.executable, "-c", _NARROWER_CHECK, str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[isa] = torch.load(path)
+    widest = results.pop("")
+    for isa, result in results.items():
+        assert torch.equal(result, widest), isa
