@@ -3,9 +3,10 @@ install`` builds them, later imports load the cached library):
 
 - ``splitfuse_cpu::quant_linear``, the weight-only quantized product, with a PyTorch fallback
   where no C++ compiler is there;
-- ``splitfuse_cpu::fixed_order_attention``, deterministic mode's attention over the paged cache
-  (``kernels/torch_attention.py``; without a compiler that mode attends with PyTorch products in a
-  fixed order instead, ``has_fixed_order_attention``).
+- ``splitfuse_cpu::fixed_order_attention`` and ``splitfuse_cpu::store_and_attend``, attention
+  over the paged cache in a fixed order: deterministic mode's, and the default mode's for decode
+  tokens (``kernels/torch_attention.py``; without a compiler, SDPA and, in deterministic mode,
+  PyTorch products in a fixed order instead: ``has_fixed_order_attention``).
 
 ``quant_linear(x, qweight, scales, mins, bits, group_size)``: x [M, K] float32 or bfloat16 times
 the dequantized weight [N, K] transposed -> [M, N] float32 (layouts in ``engine/quantization.py``).
@@ -94,7 +95,11 @@ def load() -> str:
 
             @torch.library.register_fake("splitfuse_cpu::fixed_order_attention")
             def _fake_attention(query, key_cache, value_cache, tables, rows, lens, scale):  # type: ignore[no-untyped-def]
-                return query.new_empty(query.shape, dtype=torch.float32)
+                return query.new_empty(query.shape)
+
+            @torch.library.register_fake("splitfuse_cpu::store_and_attend")
+            def _fake_store_and_attend(query, key, value, key_cache, value_cache, *args):  # type: ignore[no-untyped-def]
+                return query.new_empty(query.shape)
 
         _state["kind"] = kind
         return kind

@@ -48,11 +48,16 @@ class TorchStepPlan(OpaqueBase):
         store_slots: torch.Tensor,  # [num_stored] int64 cache slots of the stored tokens
         store_tokens: torch.Tensor | None,  # [num_stored] their token indices; None: every token
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1: not stored
     ) -> None:
         self.attention = attention
         self.store_slots = store_slots
         self.store_tokens = store_tokens
         self.kv_cache = kv_cache
+        self.slot_mapping = slot_mapping
+        # the C++ operator attends every token: each layer is then one call that also stores
+        kernel = attention.kernel_tokens
+        self.fused = kernel is not None and kernel.tokens == slice(0, attention.num_tokens)
 
 
 register_opaque_type(TorchStepPlan, typ="reference")
@@ -61,18 +66,20 @@ register_opaque_type(TorchStepPlan, typ="reference")
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, deterministic: bool = False, fixed_order_kernel: bool | None = None) -> None:
-        """``deterministic``: attention in a fixed order whatever the batch, on CPUs by the C++
-        operator ``splitfuse_cpu::fixed_order_attention`` (``kernels/cpu_ops.py``), elsewhere or
-        without a C++ compiler by PyTorch products in a fixed order (``kernels/
-        torch_attention.py``, ``_fixed_order_attention``). ``fixed_order_kernel`` False asks for
-        the PyTorch products on CPUs too; None: the operator where it builds."""
+    def __init__(self, deterministic: bool = False, cpu_kernel: bool | None = None) -> None:
+        """``deterministic``: attention in a fixed order whatever the batch.
+
+        ``cpu_kernel``: on CPUs, the C++ operator ``splitfuse_cpu::fixed_order_attention``
+        (``kernels/cpu_ops.py``) attends every token in deterministic mode and the decode tokens
+        otherwise; False: PyTorch alone (SDPA, and in deterministic mode products in a fixed
+        order, ``kernels/torch_attention.py``, as on GPUs or without a C++ compiler); None: the
+        operator where it builds."""
         self.deterministic = deterministic
-        if deterministic and fixed_order_kernel is None:
+        if cpu_kernel is None:
             from kernels.cpu_ops import has_fixed_order_attention
 
-            fixed_order_kernel = has_fixed_order_attention()
-        self.fixed_order_kernel = bool(deterministic and fixed_order_kernel)
+            cpu_kernel = has_fixed_order_attention()
+        self.cpu_kernel = cpu_kernel
 
     def plan(
         self,
@@ -109,9 +116,9 @@ class TorchBackend:
             num_kv_heads=num_kv_heads,
             num_tokens=num_tokens,
             deterministic=self.deterministic,
-            fixed_order_kernel=self.fixed_order_kernel and kv_cache.device.type == "cpu",
+            cpu_kernel=self.cpu_kernel and kv_cache.device.type == "cpu",
         )
-        return TorchStepPlan(attention, store_slots, store_tokens, kv_cache)
+        return TorchStepPlan(attention, store_slots, store_tokens, kv_cache, slot_mapping)
 
     def rope(
         self,
@@ -232,6 +239,21 @@ def _attend(
 ) -> torch.Tensor:
     """The model's own tensors, unchecked per layer (``plan`` checked the step)."""
     key_cache, value_cache = plan.kv_cache[layer]
+    if plan.fused and key.dtype == key_cache.dtype:
+        kernel = plan.attention.kernel_tokens
+        assert kernel is not None
+        return torch.ops.splitfuse_cpu.store_and_attend(
+            query,
+            key,
+            value,
+            key_cache,
+            value_cache,
+            plan.slot_mapping,
+            kernel.block_tables,
+            kernel.rows,
+            kernel.lens,
+            scale,
+        )
     _store_kv(key, value, key_cache, value_cache, plan)
     return paged_attention(query, key_cache, value_cache, plan.attention, scale)
 

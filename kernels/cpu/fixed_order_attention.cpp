@@ -1,10 +1,15 @@
 // splitfuse_cpu::fixed_order_attention: causal attention of a step's query tokens over the paged
 // KV cache, each query's result the same bits whatever else the step holds (how many tokens and
 // rows, which chunk a token arrived in, which tokens share its thread): deterministic mode's CPU
-// attention. Token t attends to positions 0 .. token_lens[t] - 1 of row token_rows[t] of the
-// block tables, reading K/V in place (no gather); threads share (token, KV head) items, each
-// computed whole by one thread. float32 arithmetic, float32 result [num_tokens, num_heads,
-// head_dim]. The order of every sum is in fixed_order_attention_body.h.
+// attention, and the default mode's for decode tokens (it reads a context in place where SDPA
+// needs it gathered). Token t attends to positions 0 .. token_lens[t] - 1 of row token_rows[t]
+// of the block tables, reading K/V in place; threads share (token, KV head) items, each computed
+// whole by one thread. float32 arithmetic; the result [num_tokens, num_heads, head_dim] in the
+// query's dtype (rounded to nearest even, as torch's conversions). The order of every sum is in
+// fixed_order_attention_body.h.
+//
+// splitfuse_cpu::store_and_attend: the same after writing each token's K/V into its cache slot
+// (slot -1: not stored), one call per layer for a step whose every token it attends.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -35,7 +41,7 @@ struct FixedOrderArgs {
   const int32_t* block_tables;  // [num_rows, table_stride]
   const int32_t* token_rows;  // [num_tokens]
   const int32_t* token_lens;  // [num_tokens]
-  float* out;  // [num_tokens, num_heads, head_dim]
+  void* out;  // [num_tokens, num_heads, head_dim], the query's dtype
   int64_t num_tokens, query_stride, table_stride, slot_stride, block_size;
   int64_t num_heads, num_kv_heads, head_dim;
   float scale;
@@ -73,6 +79,21 @@ inline float to_float(Bf16 v) {
   return value;
 }
 inline float to_float(Fp16 v) { return half_bits_to_float(v.bits); }
+
+template <typename T>
+inline T from_float(float v);
+template <>
+inline float from_float<float>(float v) {
+  return v;
+}
+template <>
+inline Bf16 from_float<Bf16>(float v) {
+  return Bf16{c10::BFloat16(v).x};
+}
+template <>
+inline Fp16 from_float<Fp16>(float v) {
+  return Fp16{c10::Half(v).x};
+}
 
 constexpr int kLanes = 16;
 constexpr int64_t kBlock = 16;  // positions whose values are widened at once
@@ -154,10 +175,9 @@ int kind_of(const at::Tensor& t, const char* name) {
   }
 }
 
-at::Tensor fixed_order_attention(const at::Tensor& query, const at::Tensor& key_cache,
-                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                 const at::Tensor& token_rows, const at::Tensor& token_lens,
-                                 double scale) {
+void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                  const at::Tensor& token_rows, const at::Tensor& token_lens) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "fixed_order_attention: query must be [num_tokens, num_heads, head_dim] with "
               "contiguous heads");
@@ -166,10 +186,11 @@ at::Tensor fixed_order_attention(const at::Tensor& query, const at::Tensor& key_
                   key_cache.scalar_type() == value_cache.scalar_type(),
               "fixed_order_attention: the caches must be contiguous [num_blocks, block_size, "
               "num_kv_heads, head_dim] tensors of one shape and dtype");
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1);
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+  TORCH_CHECK(key_cache.size(3) == query.size(2) && num_kv_heads > 0 &&
+                  num_heads % num_kv_heads == 0,
               "fixed_order_attention: the caches' heads do not match the query's");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() &&
                   block_tables.scalar_type() == at::kInt && token_rows.is_contiguous() &&
@@ -196,30 +217,81 @@ at::Tensor fixed_order_attention(const at::Tensor& query, const at::Tensor& key_
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "fixed_order_attention: token ", t,
                   " reads block ", table[b], " of ", num_blocks);
   }
-  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options().dtype(at::kFloat));
+}
+
+// The attention itself, on checked inputs.
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                  const at::Tensor& token_rows, const at::Tensor& token_lens, double scale) {
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(2);
+  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
   if (num_tokens == 0) return out;
   FixedOrderArgs args{query.data_ptr(),
                       key_cache.data_ptr(),
                       value_cache.data_ptr(),
-                      tables,
-                      rows,
-                      lens,
-                      out.data_ptr<float>(),
+                      block_tables.data_ptr<int32_t>(),
+                      token_rows.data_ptr<int32_t>(),
+                      token_lens.data_ptr<int32_t>(),
+                      out.data_ptr(),
                       num_tokens,
                       query.stride(0),
-                      table_stride,
+                      block_tables.size(1),
                       num_kv_heads * head_dim,
-                      block_size,
+                      key_cache.size(1),
                       num_heads,
                       num_kv_heads,
                       head_dim,
                       static_cast<float>(scale),
                       kind_of(query, "query") * 3 + kind_of(key_cache, "the caches")};
-  // Items in the order first, last, second, second to last, ...: a thread's contiguous share
-  // then holds long and short contexts alike (a prompt's later tokens read more positions).
   const int64_t num_items = num_tokens * num_kv_heads;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) { run_fn(args, begin, end); });
   return out;
+}
+
+at::Tensor fixed_order_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& token_rows, const at::Tensor& token_lens,
+                                 double scale) {
+  check_inputs(query, key_cache, value_cache, block_tables, token_rows, token_lens);
+  return attend(query, key_cache, value_cache, block_tables, token_rows, token_lens, scale);
+}
+
+at::Tensor store_and_attend(const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                            const at::Tensor& slots, const at::Tensor& block_tables,
+                            const at::Tensor& token_rows, const at::Tensor& token_lens,
+                            double scale) {
+  check_inputs(query, key_cache, value_cache, block_tables, token_rows, token_lens);
+  const int64_t num_tokens = query.size(0);
+  const int64_t row_size = key_cache.size(2) * key_cache.size(3);  // one slot's elements
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == key_cache.size(2) &&
+                    t->size(2) == key_cache.size(3) && t->stride(2) == 1 &&
+                    t->stride(1) == t->size(2) && t->scalar_type() == key_cache.scalar_type(),
+                "store_and_attend: key and value must be [num_tokens, num_kv_heads, head_dim] "
+                "in the caches' dtype, with contiguous heads");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == num_tokens && slots.is_contiguous() &&
+                  slots.scalar_type() == at::kLong,
+              "store_and_attend: slots must be int64 [num_tokens]");
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slot[t] >= -1 && slot[t] < num_slots, "store_and_attend: token ", t,
+                " stores into slot ", slot[t], " of ", num_slots);
+  const int64_t bytes = row_size * key_cache.element_size();
+  auto* key_base = static_cast<char*>(key_cache.data_ptr());
+  auto* value_base = static_cast<char*>(value_cache.data_ptr());
+  const auto* key_in = static_cast<const char*>(key.data_ptr());
+  const auto* value_in = static_cast<const char*>(value.data_ptr());
+  const int64_t key_stride = key.stride(0) * key.element_size();
+  const int64_t value_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] < 0) continue;
+    std::memcpy(key_base + slot[t] * bytes, key_in + t * key_stride, bytes);
+    std::memcpy(value_base + slot[t] * bytes, value_in + t * value_stride, bytes);
+  }
+  return attend(query, key_cache, value_cache, block_tables, token_rows, token_lens, scale);
 }
 
 }  // namespace
@@ -227,8 +299,12 @@ at::Tensor fixed_order_attention(const at::Tensor& query, const at::Tensor& key_
 TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
   m.def("fixed_order_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor token_rows, Tensor token_lens, float scale) -> Tensor");
+  m.def("store_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
+        "Tensor(b!) value_cache, Tensor slots, Tensor block_tables, Tensor token_rows, "
+        "Tensor token_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {
   m.impl("fixed_order_attention", fixed_order_attention);
+  m.impl("store_and_attend", store_and_attend);
 }

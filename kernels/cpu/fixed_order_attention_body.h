@@ -70,7 +70,7 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
   const auto* query = static_cast<const QueryT*>(a.query);
   const auto* keys = static_cast<const CacheT*>(a.key_cache);
   const auto* values = static_cast<const CacheT*>(a.value_cache);
-  float* result = a.out;
+  auto* result = static_cast<QueryT*>(a.out);
   const int64_t num_items = a.num_tokens * a.num_kv_heads;
   for (int64_t k = begin; k < end; ++k) {
     const int64_t item = k % 2 == 0 ? k / 2 : num_items - 1 - k / 2;
@@ -126,8 +126,8 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
       }
     }
     for (int64_t h = 0; h < G; ++h) {
-      float* o = result + (token * a.num_heads + kv_head * G + h) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = out[h * Dp + d] / totals[h];
+      QueryT* o = result + (token * a.num_heads + kv_head * G + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = from_float<QueryT>(out[h * Dp + d] / totals[h]);
     }
   }
 }

@@ -195,7 +195,7 @@ def test_torch_attention_query_does_not_depend_on_the_batch(dtype, kernel):
         pytest.skip("the C++ operators did not build")
     lengths = [150, 40, 77, 9]
     sequences = Sequences(lengths, 9, 3, 64, dtype, "cpu")
-    backend = TorchBackend(deterministic=True, fixed_order_kernel=kernel)
+    backend = TorchBackend(deterministic=True, cpu_kernel=kernel)
     _assert_attention_invariant(backend, sequences, lengths, seed=3, num_batches=25)
     # whole prompts of 150 and 140 tokens: attended by query chunks (``QUERY_CHUNK``)
     whole = sequences.attend(backend, [(2, 0, 77), (0, 0, 150)])

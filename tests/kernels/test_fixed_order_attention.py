@@ -2,7 +2,8 @@
 attention of deterministic mode on CPUs: against a float64 reference over the same paged cache,
 for every query and cache dtype, grouped-query ratios and head sizes that are not a multiple of
 its 16 lanes; a token's result the same bits alone, among others and through every instruction
-set's body; bad tables refused before anything runs."""
+set's body; bad tables refused before anything runs; ``store_and_attend`` stores and attends in
+one call."""
 
 from __future__ import annotations
 
@@ -90,9 +91,11 @@ def test_matches_a_float64_reference(dtype, cache_dtype, heads, head_dim):
     case = _case([1, 1, 5, 1, 30], [1, 33, 70, 200, 30], *heads, head_dim, 8, dtype, cache_dtype, 0)
     scale = head_dim**-0.5
     got = _attend(*case, scale)
-    assert got.dtype == torch.float32 and got.shape == case[0].shape
+    assert got.dtype == dtype and got.shape == case[0].shape
     want = _reference(*case, scale)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    # float32 arithmetic, then rounded to the query's dtype (half an ulp: 2^-9, 2^-12)
+    rtol = {torch.float32: 0, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=2e-6)
 
 
 def test_a_token_gives_the_same_bits_alone_and_among_others():
@@ -159,3 +162,38 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
     widest = results.pop("")
     for isa, result in results.items():
         assert torch.equal(result, widest), isa
+
+
+def test_store_and_attend_stores_then_attends():
+    query, key_cache, value_cache, tables, rows, lens = _case(
+        [1, 3], [9, 20], 4, 2, 16, 8, torch.bfloat16, torch.bfloat16, 6
+    )
+    generator = torch.Generator().manual_seed(7)
+    # the step's K/V as views of a fused projection, as the model passes them
+    fused = torch.randn(4, 8, 16, generator=generator).to(torch.bfloat16)
+    key, value = fused[:, :2], fused[:, 2:4]
+    slot_of = [
+        int(tables[r, (n - 1) // 8]) * 8 + (n - 1) % 8 for r, n in zip(rows, lens, strict=True)
+    ]
+    slots = torch.tensor([slot_of[0], slot_of[1], -1, slot_of[3]])  # token 2: not stored
+    expected_keys, expected_values = key_cache.clone(), value_cache.clone()
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_keys.view(-1, 2, 16)[slot] = key[token]
+            expected_values.view(-1, 2, 16)[slot] = value[token]
+    want = _attend(query, expected_keys, expected_values, tables, rows, lens, 0.25)
+    keys, values = key_cache.clone(), value_cache.clone()
+    got = torch.ops.splitfuse_cpu.store_and_attend(
+        query, key, value, keys, values, slots, tables, rows, lens, 0.25
+    )
+    assert torch.equal(got, want)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    # a slot past the cache: refused, nothing written
+    before = keys.clone()
+    bad = slots.clone()
+    bad[3] = keys.shape[0] * 8
+    with pytest.raises(RuntimeError, match="stores into slot"):
+        torch.ops.splitfuse_cpu.store_and_attend(
+            query, key * 2, value, keys, values, bad, tables, rows, lens, 0.25
+        )
+    assert torch.equal(keys, before)

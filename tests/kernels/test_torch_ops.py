@@ -22,8 +22,11 @@ from kernels import (
     torch_attention,
 )
 from kernels.torch_attention import length_groups
+from kernels.torch_backend import TorchBackend
 
-backend = get_backend("torch")
+backend = get_backend("torch")  # on CPUs with the C++ operators built, decodes run through them
+sdpa_backend = TorchBackend(cpu_kernel=False)  # decodes in length groups through SDPA
+BOTH = pytest.mark.parametrize("attention", [backend, sdpa_backend], ids=["default", "sdpa"])
 
 # Max abs error against float64 for outputs of magnitude ~1 (attention averages N(0, 1) values).
 ATTENTION_ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -51,28 +54,30 @@ BATCHES = {
 }  # fmt: skip
 
 
+@BOTH
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", BATCHES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1)])
-def test_paged_attention_matches_reference(name, num_heads, num_kv_heads, dtype):
+def test_paged_attention_matches_reference(name, num_heads, num_kv_heads, dtype, attention):
     batch = make_ragged_batch(
         BATCHES[name], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
         block_size=16, dtype=dtype, seed=list(BATCHES).index(name),
     )  # fmt: skip
-    out = run_attention(backend, batch)
+    out = run_attention(attention, batch)
     assert out.dtype == dtype
     expected = reference_attention(batch)
     torch.testing.assert_close(out.double(), expected, atol=ATTENTION_ATOL[dtype], rtol=0)
 
 
+@BOTH
 @pytest.mark.parametrize(("block_size", "head_dim"), [(32, 128), (128, 64), (1, 64)])
-def test_paged_attention_block_sizes_and_head_dims(block_size, head_dim):
+def test_paged_attention_block_sizes_and_head_dims(block_size, head_dim, attention):
     rows = [(0, 7), (33, 1), (130, 1), (64, 3)]
     batch = make_ragged_batch(
         rows, num_heads=6, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
         dtype=torch.float32, seed=3,
     )  # fmt: skip
-    out = run_attention(backend, batch)
+    out = run_attention(attention, batch)
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-5, rtol=0)
 
 
@@ -128,7 +133,7 @@ def test_rows_run_in_length_groups(monkeypatch, name, function, num_calls):
         BATCHES[name], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
         dtype=torch.float32, seed=8,
     )  # fmt: skip
-    out = run_attention(backend, batch)
+    out = run_attention(sdpa_backend, batch)
     assert len(calls) == num_calls
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-5, rtol=0)
 

@@ -16,8 +16,11 @@ from kernel_reference import (
 from test_torch_ops import ATTENTION_ATOL, BATCHES
 
 from kernels import KernelInputError, get_backend
+from kernels.cpu_ops import has_fixed_order_attention
+from kernels.torch_backend import TorchBackend
 
 backend = get_backend("torch")
+sdpa_backend = TorchBackend(cpu_kernel=False)  # decodes in length groups
 
 PLANNED_BATCHES = ["decode_only", "prompt_only", "mixed", "varied_decodes", "prompt_groups"]
 
@@ -58,13 +61,34 @@ def test_one_plan_serves_every_layer(name, dtype):
         torch.testing.assert_close(out.double(), expected, atol=ATTENTION_ATOL[dtype], rtol=0)
 
 
-def _plan(rows, block_size=16, seed=8):
+def _plan(rows, block_size=16, seed=8, planner=sdpa_backend):
     batch = make_ragged_batch(
         rows, num_heads=4, num_kv_heads=2, head_dim=64, block_size=block_size,
         dtype=torch.float32, seed=seed,
     )  # fmt: skip
     positions, metadata, kv_cache = step_inputs(batch)
-    return backend.plan(positions, metadata, kv_cache, batch.max_position).attention, batch
+    return planner.plan(positions, metadata, kv_cache, batch.max_position).attention, batch
+
+
+@pytest.mark.skipif(not has_fixed_order_attention(), reason="the C++ operators did not build")
+def test_plan_gives_decodes_to_the_cpu_kernel():
+    """Decode tokens go to ``splitfuse_cpu::fixed_order_attention`` (each sees its whole
+    context); prompt chunks stay in groups; deterministic mode gives it every token."""
+    plan, batch = _plan(BATCHES["mixed"], planner=backend)
+    # rows (cached, query): (0, 5), (16, 1), (0, 1), (7, 9), (31, 1), (20, 12)
+    kernel = plan.kernel_tokens
+    assert not plan.decode_groups and _token_indices(kernel.tokens) == [5, 6, 16]
+    assert kernel.rows.tolist() == [1, 2, 4] and kernel.lens.tolist() == [17, 1, 32]
+    assert sorted(t for g in plan.prompt_groups for t in _token_indices(g.tokens)) == [
+        *range(5),
+        *range(7, 16),
+        *range(17, 29),
+    ]
+    plan, _ = _plan(BATCHES["mixed"], planner=TorchBackend(deterministic=True))
+    kernel = plan.kernel_tokens
+    assert not plan.decode_groups and not plan.prompt_groups and kernel.tokens == slice(0, 29)
+    assert kernel.lens.tolist()[:7] == [1, 2, 3, 4, 5, 17, 1]
+    assert kernel.lens.tolist()[7:16] == list(range(8, 17))
 
 
 def test_plan_decode_groups():

@@ -4,7 +4,10 @@ Greedy: each of 32 requests alone (budget 512) is the reference; all 32 together
 16, 64 and 512 tokens, with prefix caching of shared prompt prefixes, and with a KV pool so small
 that requests are preempted and recomputed, give the same tokens (under the near-tie rule, against
 transformers' logits over the reference sequence). Seeded sampling: the same tokens alone and among
-the others.
+the others under the same budget. (A budget that cuts a prompt elsewhere can give one of its tokens
+to another kernel, a one-token chunk to the C++ decode attention, a longer one to SDPA; the random
+model's near-uniform distribution turns such last-bit differences into other draws. Deterministic
+mode holds it under every budget: tests/model/test_deterministic_model.py.)
 """
 
 from __future__ import annotations
@@ -117,6 +120,6 @@ def test_seeded_sampling_is_batch_invariant(tiny_llama_dir) -> None:
         for index in range(len(prompts))
     ]
     alone = _run_alone(_engine(tiny_llama_dir), prompts[:8], params[:8])
-    together = _run_together(_engine(tiny_llama_dir, max_batch_tokens=16), prompts, params)
+    together = _run_together(_engine(tiny_llama_dir, max_batch_tokens=512), prompts, params)
     assert together[:8] == alone
     assert len({tuple(tokens) for tokens in together}) == len(together)  # not all the same draw
