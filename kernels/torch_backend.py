@@ -239,7 +239,7 @@ def _attend(
 ) -> torch.Tensor:
     """The model's own tensors, unchecked per layer (``plan`` checked the step)."""
     key_cache, value_cache = plan.kv_cache[layer]
-    if plan.fused and key.dtype == key_cache.dtype:
+    if plan.fused and _heads_contiguous(query, key, value) and key.dtype == key_cache.dtype:
         kernel = plan.attention.kernel_tokens
         assert kernel is not None
         return torch.ops.splitfuse_cpu.store_and_attend(
@@ -256,6 +256,12 @@ def _attend(
         )
     _store_kv(key, value, key_cache, value_cache, plan)
     return paged_attention(query, key_cache, value_cache, plan.attention, scale)
+
+
+def _heads_contiguous(*tensors: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] views whose heads are contiguous rows (what the model's fused
+    projections give), as ``store_and_attend`` reads them."""
+    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in tensors)
 
 
 def _attend_shape(

@@ -281,7 +281,10 @@ def test_parallel_calls(client: openai.OpenAI) -> None:
     reply = _chat(
         client,
         messages=[
-            {"role": "user", "content": "I need the weather in two cities: Paris, then Tokyo."}
+            {
+                "role": "user",
+                "content": "Call get_weather twice: once for Paris, then once for Tokyo.",
+            }
         ],
         tools=[WEATHER],
         tool_choice="required",

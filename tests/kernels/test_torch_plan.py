@@ -218,22 +218,29 @@ def test_plan_accepts_the_unchanged_step():
     assert backend.plan(*step_inputs(batch), 64).attention.num_tokens == 5
 
 
+@pytest.mark.parametrize("layout", ["rows", "strided"])
+@pytest.mark.parametrize("name", ["mixed", "decode_only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_attend_stores_the_layer_then_attends(dtype):
+def test_attend_stores_the_layer_then_attends(dtype, name, layout):
     """``attend`` equals ``store_kv`` then ``paged_attention`` on the plan's cache of the layer,
-    skips the tokens whose slot is -1, leaves the other layers alone, and matches the reference."""
+    skips the tokens whose slot is -1, leaves the other layers alone, and matches the reference.
+    A step of decodes alone is one C++ call on CPUs (``store_and_attend``), which reads heads as
+    contiguous rows; K/V laid out otherwise take the general path."""
     batch = make_ragged_batch(
-        BATCHES["mixed"], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype,
+        BATCHES[name], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype,
         seed=12,
     )  # fmt: skip
     positions, metadata, one_layer = step_inputs(batch)
     slot_mapping = metadata.slot_mapping.clone()
-    slot_mapping[5] = -1  # row 1's decode token: attends over the K/V already cached there
+    # a decode token that attends over the K/V already cached in its slot
+    slot_mapping[{"mixed": 5, "decode_only": 1}[name]] = -1
     metadata = replace(metadata, slot_mapping=slot_mapping)
     kv_cache = torch.cat((one_layer, -one_layer))  # two layers
     num_tokens = batch.query.shape[0]
     generator = torch.Generator().manual_seed(13)
     key, value = (torch.randn(num_tokens, 3, 64, generator=generator).to(dtype) for _ in "kv")
+    if layout == "strided":  # [kv heads, tokens, head_dim] storage: heads are not rows
+        key, value = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (key, value))
     halves = kv_cache.clone()
 
     plan = backend.plan(positions, metadata, kv_cache, batch.max_position)
