@@ -40,6 +40,28 @@ static inline v16 load16(const float* p) {
 static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
 // The 16 lanes added as a fixed tree: halves, quarters, then ((0 + 2) + (1 + 3)).
+// lane_tree of four accumulators at once, the same additions in the same pairs (so the same bits)
+static inline v4 lane_trees(v16 a0, v16 a1, v16 a2, v16 a3) {
+  const v16 e01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                          28, 29, 30, 31);
+  const v16 e23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                          28, 29, 30, 31);
+  // [quarters of a0, of a1, of a2, of a3]
+  const v16 q = __builtin_shufflevector(e01, e23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,
+                                        25, 26, 27) +
+                __builtin_shufflevector(e01, e23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                                        29, 30, 31);
+  // (quarter 0 + quarter 2), (quarter 1 + quarter 3) of each
+  const v8 pairs = __builtin_shufflevector(q, q, 0, 1, 4, 5, 8, 9, 12, 13) +
+                   __builtin_shufflevector(q, q, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6) +
+         __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7);
+}
+
 static inline float lane_tree(v16 acc) {
   const v8 eighths = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
                      __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -65,7 +87,7 @@ template <typename QueryT, typename CacheT>
 static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
   const int64_t G = a.num_heads / a.num_kv_heads, D = a.head_dim;
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> queries(G * Dp, 0.0f), row(Dp, 0.0f), block(kBlock * Dp, 0.0f);
+  std::vector<float> queries(G * Dp, 0.0f), block(kBlock * Dp, 0.0f);
   std::vector<float> out(G * Dp), totals(G), weights;
   const auto* query = static_cast<const QueryT*>(a.query);
   const auto* keys = static_cast<const CacheT*>(a.key_cache);
@@ -82,16 +104,38 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
       for (int64_t d = 0; d < D; ++d) queries[h * Dp + d] = to_float(q[d]);
     }
     weights.resize(G * length);
-    for (int64_t p = 0; p < length; ++p) {
-      const int64_t slot = static_cast<int64_t>(table[p / a.block_size]) * a.block_size +
-                           p % a.block_size;
-      load_row(keys + slot * a.slot_stride + kv_head * D, D, row.data());
+    // scores, a block of positions' keys widened at once; four positions' lane trees at a time
+    for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
+      const int64_t n = std::min<int64_t>(kBlock, length - p0);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = p0 + i;
+        const int64_t slot = static_cast<int64_t>(table[p / a.block_size]) * a.block_size +
+                             p % a.block_size;
+        load_row(keys + slot * a.slot_stride + kv_head * D, D, block.data() + i * Dp);
+      }
       for (int64_t h = 0; h < G; ++h) {
         const float* q = queries.data() + h * Dp;
-        v16 acc = {};
-        for (int64_t d0 = 0; d0 < Dp; d0 += kLanes)
-          acc = fma16(load16(q + d0), load16(row.data() + d0), acc);
-        weights[h * length + p] = lane_tree(acc) * a.scale;
+        float* w = weights.data() + h * length + p0;
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) {
+          const float* k = block.data() + i * Dp;
+          v16 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+          for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) {
+            const v16 qd = load16(q + d0);
+            acc0 = fma16(qd, load16(k + d0), acc0);
+            acc1 = fma16(qd, load16(k + Dp + d0), acc1);
+            acc2 = fma16(qd, load16(k + 2 * Dp + d0), acc2);
+            acc3 = fma16(qd, load16(k + 3 * Dp + d0), acc3);
+          }
+          const v4 scores = lane_trees(acc0, acc1, acc2, acc3) * a.scale;
+          __builtin_memcpy(w + i, &scores, sizeof scores);
+        }
+        for (; i < n; ++i) {
+          const float* k = block.data() + i * Dp;
+          v16 acc = {};
+          for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) acc = fma16(load16(q + d0), load16(k + d0), acc);
+          w[i] = lane_tree(acc) * a.scale;
+        }
       }
     }
     for (int64_t h = 0; h < G; ++h) {
