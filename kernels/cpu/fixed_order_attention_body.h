@@ -133,7 +133,8 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
         for (; i < n; ++i) {
           const float* k = block.data() + i * Dp;
           v16 acc = {};
-          for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) acc = fma16(load16(q + d0), load16(k + d0), acc);
+          for (int64_t d0 = 0; d0 < Dp; d0 += kLanes)
+            acc = fma16(load16(q + d0), load16(k + d0), acc);
           w[i] = lane_tree(acc) * a.scale;
         }
       }
