@@ -1,8 +1,11 @@
 """Paged ragged attention in PyTorch: the CPU serving path and the Triton kernel's reference.
 
-Decode rows (one query token) are computed together: their contexts are gathered through the block
-tables into one padded batch, grouped by length when padding to the longest would waste much, and
-attended with one ``scaled_dot_product_attention`` call per group under a length mask. Prompt
+On CPUs where the C++ operators build (``kernels/cpu_ops.py``), decode rows (one query token)
+attend through ``splitfuse_cpu::fixed_order_attention``, which reads each context in place
+(``KernelTokens``), and in deterministic mode every token does. Otherwise decode rows are computed
+together: their contexts are gathered through the block tables into one padded batch, grouped by
+length when padding to the longest would waste much, and attended with one
+``scaled_dot_product_attention`` call per group under a length mask. Prompt
 chunks (several query tokens) are computed together too, in power-of-two context-length groups:
 queries padded to the group's longest chunk, under a mask that is causal relative to each row's
 cached prefix. A layer's attention is therefore a bounded number of calls, whatever the number of
