@@ -17,6 +17,8 @@
 
 #include <immintrin.h>
 
+#include "float16_bits.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -48,29 +50,6 @@ struct FixedOrderArgs {
   int kinds;  // query kind * 3 + cache kind; kind: 0 float32, 1 bfloat16, 2 float16
 };
 
-// float16 bits as a float, exactly (normals, subnormals, zeros, infinities, NaNs)
-inline float half_bits_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000 | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {
-    exponent = 113;
-    while ((mantissa & 0x400) == 0) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
-  }
-  float value;
-  __builtin_memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
 inline float to_float(float v) { return v; }
 inline float to_float(Bf16 v) {
   const uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
@@ -78,7 +57,7 @@ inline float to_float(Bf16 v) {
   __builtin_memcpy(&value, &bits, sizeof value);
   return value;
 }
-inline float to_float(Fp16 v) { return half_bits_to_float(v.bits); }
+inline float to_float(Fp16 v) { return half_to_float(v.bits); }
 
 template <typename T>
 inline T from_float(float v);

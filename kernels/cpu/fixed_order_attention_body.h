@@ -83,6 +83,18 @@ inline void load_row<Bf16>(const Bf16* in, int64_t n, float* out) {
   for (int64_t d = 0; d < n; ++d) words[d] = static_cast<uint32_t>(bits[d]) << 16;
 }
 
+// Positions p0 .. p0 + n - 1 of one KV head, read through the block table, as float rows Dp apart.
+template <typename CacheT>
+static inline void widen_block(const CacheT* cache, const FixedOrderArgs& a, const int32_t* table,
+                               int64_t kv_head, int64_t p0, int64_t n, int64_t Dp, float* block) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = p0 + i;
+    const int64_t slot =
+        static_cast<int64_t>(table[p / a.block_size]) * a.block_size + p % a.block_size;
+    load_row(cache + slot * a.slot_stride + kv_head * a.head_dim, a.head_dim, block + i * Dp);
+  }
+}
+
 template <typename QueryT, typename CacheT>
 static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
   const int64_t G = a.num_heads / a.num_kv_heads, D = a.head_dim;
@@ -107,12 +119,7 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
     // scores, a block of positions' keys widened at once; four positions' lane trees at a time
     for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, length - p0);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t p = p0 + i;
-        const int64_t slot = static_cast<int64_t>(table[p / a.block_size]) * a.block_size +
-                             p % a.block_size;
-        load_row(keys + slot * a.slot_stride + kv_head * D, D, block.data() + i * Dp);
-      }
+      widen_block(keys, a, table, kv_head, p0, n, Dp, block.data());
       for (int64_t h = 0; h < G; ++h) {
         const float* q = queries.data() + h * Dp;
         float* w = weights.data() + h * length + p0;
@@ -153,12 +160,7 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
     std::fill(out.begin(), out.end(), 0.0f);
     for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, length - p0);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t p = p0 + i;
-        const int64_t slot = static_cast<int64_t>(table[p / a.block_size]) * a.block_size +
-                             p % a.block_size;
-        load_row(values + slot * a.slot_stride + kv_head * D, D, block.data() + i * Dp);
-      }
+      widen_block(values, a, table, kv_head, p0, n, Dp, block.data());
       for (int64_t h = 0; h < G; ++h) {
         const float* w = weights.data() + h * length + p0;
         float* o = out.data() + h * Dp;
