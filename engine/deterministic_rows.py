@@ -6,13 +6,15 @@ with ``torch.equal`` on random rows at random positions (AMD EPYC with AVX-512, 
 float32 and bfloat16, every shape of the default model; ``tests/kernels/
 test_deterministic_kernels.py``):
 
+    ``blocked_linear`` on a packed weight (bfloat16)            equal for every count
     oneDNN with a packed weight (``engine/packed_linear.py``)   equal for every count >= 2
     the quantized C++ product (``kernels/cpu/``)                 equal for every count >= 2
     MKL (``F.linear``, float32)                                  equal for 4, 8 and >= 12 rows
 
-so the first two run a single row as two (the second a copy of the first), and every other
-product runs as separate calls of ``TILE_ROWS`` rows (padded): each call then has one shape, the
-one rule that holds whatever the library.
+so a packed weight runs one of the first two for every row count (``PackedWeight.one_kernel``),
+the packed and quantized products run a single row as two (the second a copy of the first), and
+every other product runs as separate calls of ``TILE_ROWS`` rows (padded): each call then has one
+shape, the one rule that holds whatever the library.
 """
 
 from __future__ import annotations

@@ -81,8 +81,11 @@ class MatmulLayer(QuantizableWeight):
 
     def set_deterministic(self) -> None:
         """From now on a row's result does not depend on how many rows share the product
-        (``engine/deterministic_rows.py``); call after ``pack_weights``."""
+        (``engine/deterministic_rows.py``); call after ``pack_weights``. A packed weight then
+        runs one kernel for every row count (``PackedWeight.one_kernel``)."""
         self.deterministic = True
+        if self.packed_weight is not None:
+            self.packed_weight.one_kernel()
 
     def pack_weights(self) -> None:
         """Call once, after loading (and quantizing): the layer then multiplies with the packed

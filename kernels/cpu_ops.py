@@ -6,7 +6,10 @@ install`` builds them, later imports load the cached library):
 - ``splitfuse_cpu::fixed_order_attention`` and ``splitfuse_cpu::store_and_attend``, attention
   over the paged cache in a fixed order: deterministic mode's, and the default mode's for decode
   tokens (``kernels/torch_attention.py``; without a compiler, SDPA and, in deterministic mode,
-  PyTorch products in a fixed order instead: ``has_fixed_order_attention``).
+  PyTorch products in a fixed order instead: ``has_fixed_order_attention``);
+- ``splitfuse_cpu::blocked_linear``, the product of a few bfloat16 rows with a weight in oneDNN's
+  blocked layout, on CPUs with AVX-512 BF16 (``engine/packed_linear.py``; elsewhere, or without a
+  compiler, oneDNN runs every product: ``has_blocked_linear``).
 
 ``quant_linear(x, qweight, scales, mins, bits, group_size)``: x [M, K] float32 or bfloat16 times
 the dequantized weight [N, K] transposed -> [M, N] float32 (layouts in ``engine/quantization.py``).
@@ -42,6 +45,7 @@ def _build() -> str:
         sources=[
             str(_SOURCE_DIR / "quant_linear.cpp"),
             str(_SOURCE_DIR / "fixed_order_attention.cpp"),
+            str(_SOURCE_DIR / "blocked_linear.cpp"),
         ],
         extra_include_paths=[str(_SOURCE_DIR)],
         extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"],
@@ -101,8 +105,18 @@ def load() -> str:
             def _fake_store_and_attend(query, key, value, key_cache, value_cache, *args):  # type: ignore[no-untyped-def]
                 return query.new_empty(query.shape)
 
+            @torch.library.register_fake("splitfuse_cpu::blocked_linear")
+            def _fake_blocked_linear(x, weight, bias):  # type: ignore[no-untyped-def]
+                return x.new_empty((x.shape[0], weight.shape[0] * weight.shape[2]))
+
         _state["kind"] = kind
         return kind
+
+
+def has_blocked_linear() -> bool:
+    """Whether ``torch.ops.splitfuse_cpu.blocked_linear`` runs here: the C++ operators are built
+    and the CPU has AVX-512 BF16."""
+    return load() != "torch" and bool(torch.ops.splitfuse_cpu.has_blocked_linear())
 
 
 def has_fixed_order_attention() -> bool:

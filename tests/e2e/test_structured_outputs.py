@@ -235,7 +235,7 @@ def test_regex_choice_and_json_object(client: openai.OpenAI, server: ServerThrea
         for thing in ("an apple", "a car")
     ]
     assert all(a.message.content in ("yes", "no") and a.finish_reason == "stop" for a in answers)
-    for prompt in ("Reply with a JSON object whose key ok is true.", 'Give the JSON {"a": 1}.'):
+    for prompt in ('Give the JSON {"ok": true}.', 'Give the JSON {"a": 1}.'):
         reply = _chat(
             client,
             messages=[{"role": "user", "content": prompt}],

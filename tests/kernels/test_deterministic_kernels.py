@@ -49,6 +49,7 @@ def test_packed_product_rows_do_not_depend_on_the_batch(dtype, shape):
     in_features, out_features = shape
     weight = (torch.randn(out_features, in_features) * 0.05).to(dtype)
     packed = PackedWeight(weight)
+    packed.one_kernel()  # as deterministic mode runs it (``MatmulLayer.set_deterministic``)
     _assert_rows_invariant(
         lambda x: packed_linear(x, packed, out_features, None), in_features, dtype, seed=1
     )

@@ -1,5 +1,6 @@
-"""Linear layers: packed weights on CPUs give F.linear's results (bfloat16 exactly, float32 to its
-rounding: oneDNN sums in another order than MKL)."""
+"""Linear layers: packed weights on CPUs give F.linear's results: float32 to its rounding (oneDNN
+sums in another order than MKL), bfloat16 exactly through oneDNN and within one bfloat16 step
+through ``splitfuse_cpu::blocked_linear`` (few rows; it sums in another order)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def test_packed_layers_match_f_linear(num_rows, dtype) -> None:
         expected = F.linear(x, layer.weight, bias)
         layer.pack_weights()
         assert layer.weight.numel() == 0 and layer.packed_weight is not None
-        if dtype == torch.bfloat16:
+        if dtype == torch.bfloat16 and layer.packed_weight.blocked is None:
             assert torch.equal(layer(x), expected)
+        elif dtype == torch.bfloat16:  # one rounding to bfloat16 of float32 sums of 64 products
+            torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=2.0**-7)
         else:  # sums of 64 products of magnitude ~1
             torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 

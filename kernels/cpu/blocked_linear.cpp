@@ -1,0 +1,139 @@
+// splitfuse_cpu::blocked_linear: x [M, K] bfloat16 times a bfloat16 weight held in oneDNN's
+// blocked layout for AVX-512 BF16, out [M, N] bfloat16 (float32 sums, rounded once), for the few
+// rows of a decode step.
+//
+// The weight is [N / 64, K / 2, 64, 2]: blocks of 64 output columns, each a run of K / 2 pairs of
+// inputs for those 64 columns. It is the buffer that oneDNN packed at load time
+// (engine/packed_linear.py checks the layout against the weight before giving it here), so the
+// product reads the one copy of the weights there is. oneDNN's own kernels for one to a few rows
+// read that buffer at ~55% of the machine's read bandwidth (121 products of the default model,
+// 2 threads); this one streams each block once, front to back, and reaches ~80%:
+//   per pair of inputs k, k+1: four 64-byte loads hold the 64 columns' weights, and VDPBF16PS
+//   multiplies them with x[m, k:k+2] broadcast to every lane, for each row m
+// so a column's sum needs no reduction across lanes, and the block's bytes are one sequential
+// stream. Threads share the blocks.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // output columns per block: four vectors of 16 float32 sums
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
+
+// out[m, 0:64] = x[m, :] . block for ROWS rows; SPLIT independent sums per column (even and odd
+// pairs when SPLIT is 2) keep the additions from waiting on one another when ROWS is small.
+template <int ROWS, int SPLIT>
+void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* block, int64_t K,
+                const uint16_t* bias, uint16_t* out, int64_t ldo) {
+  __m512 acc[ROWS][SPLIT][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int s = 0; s < SPLIT; ++s)
+      for (int j = 0; j < 4; ++j) acc[r][s][j] = _mm512_setzero_ps();
+  // one pair of inputs k, k + 1 into the sums acc[.][s]
+  auto pair_step = [&](int64_t k, int s) {
+    const uint16_t* w = block + k * kBlock;
+    __m512bh wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j);
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t pair;
+      __builtin_memcpy(&pair, x + r * ldx + k, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < 4; ++j) acc[r][s][j] = _mm512_dpbf16_ps(acc[r][s][j], xv, wv[j]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 2 * SPLIT <= K; k += 2 * SPLIT)
+    for (int s = 0; s < SPLIT; ++s) pair_step(k + 2 * s, s);
+  for (; k < K; k += 2) pair_step(k, 0);
+  for (int r = 0; r < ROWS; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      __m512 sum = acc[r][0][j];
+      for (int s = 1; s < SPLIT; ++s) sum = _mm512_add_ps(sum, acc[r][s][j]);
+      if (bias != nullptr) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + 16 * j));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + 16 * j),
+                          (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+  }
+}
+
+// Every row of x against one block: the rows in tiles of 4 (16 sums in registers), the block
+// read again for each tile after the first (from the L2 cache: 64 * K * 2 bytes).
+void block_all_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* block,
+                    const uint16_t* bias, uint16_t* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + 6 <= M; r += 6) block_rows<6, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo);
+  switch (M - r) {
+    case 5: block_rows<5, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
+    case 4: block_rows<4, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
+    case 3: block_rows<3, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
+    case 2: block_rows<2, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
+    case 1: block_rows<1, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
+    default: break;
+  }
+}
+
+#pragma GCC pop_options
+
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+const bool has_avx512_bf16 = cpu_has_avx512_bf16();
+
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_avx512_bf16, "blocked_linear: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 &&
+                  x.device().is_cpu(),
+              "blocked_linear: x must be a contiguous bfloat16 [M, K] CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu() &&
+                  weight.size(1) * 2 == K && weight.size(2) == kBlock && weight.size(3) == 2,
+              "blocked_linear: weight must be a contiguous bfloat16 [N / 64, K / 2, 64, 2] CPU "
+              "tensor with K = ", K);
+  const int64_t N = weight.size(0) * kBlock;
+  const uint16_t* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kBFloat16,
+                "blocked_linear: bias must be a contiguous bfloat16 [N] tensor");
+    bias_ptr = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* w_ptr = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      block_all_rows(x_ptr, M, K, w_ptr + b * kBlock * K,
+                     bias_ptr == nullptr ? nullptr : bias_ptr + b * kBlock, out_ptr + b * kBlock,
+                     N);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
+  m.def("blocked_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("has_blocked_linear() -> bool", [] { return has_avx512_bf16; });
+}
+
+TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) { m.impl("blocked_linear", blocked_linear); }
