@@ -1,6 +1,6 @@
 // splitfuse_cpu::blocked_linear: x [M, K] bfloat16 times a bfloat16 weight held in oneDNN's
-// blocked layout for AVX-512 BF16, out [M, N] bfloat16 (float32 sums, rounded once), for the few
-// rows of a decode step.
+// blocked layout for AVX-512 BF16, out [M, N] bfloat16 (float32 sums, rounded once): the products
+// of decode steps (up to 64 rows; engine/packed_linear.py).
 //
 // The weight is [N / 64, K / 2, 64, 2]: blocks of 64 output columns, each a run of K / 2 pairs of
 // inputs for those 64 columns. It is the buffer that oneDNN packed at load time
@@ -19,7 +19,6 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
 
 namespace {
@@ -29,17 +28,16 @@ constexpr int64_t kBlock = 64;  // output columns per block: four vectors of 16 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
 
-// out[m, 0:64] = x[m, :] . block for ROWS rows; SPLIT independent sums per column (even and odd
-// pairs when SPLIT is 2) keep the additions from waiting on one another when ROWS is small.
-template <int ROWS, int SPLIT>
+// out[m, 0:64] = x[m, :] . block + bias for ROWS rows. Each column of a row has one float32 sum,
+// added pair after pair from k = 0 up whatever ROWS is, so a row's result does not depend on the
+// other rows of the call (deterministic mode runs this kernel for every row count).
+template <int ROWS>
 void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* block, int64_t K,
                 const uint16_t* bias, uint16_t* out, int64_t ldo) {
-  __m512 acc[ROWS][SPLIT][4];
+  __m512 acc[ROWS][4];
   for (int r = 0; r < ROWS; ++r)
-    for (int s = 0; s < SPLIT; ++s)
-      for (int j = 0; j < 4; ++j) acc[r][s][j] = _mm512_setzero_ps();
-  // one pair of inputs k, k + 1 into the sums acc[.][s]
-  auto pair_step = [&](int64_t k, int s) {
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
     const uint16_t* w = block + k * kBlock;
     __m512bh wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j);
@@ -47,20 +45,16 @@ void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* block, int64_t K
       int32_t pair;
       __builtin_memcpy(&pair, x + r * ldx + k, sizeof pair);
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < 4; ++j) acc[r][s][j] = _mm512_dpbf16_ps(acc[r][s][j], xv, wv[j]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
     }
-  };
-  int64_t k = 0;
-  for (; k + 2 * SPLIT <= K; k += 2 * SPLIT)
-    for (int s = 0; s < SPLIT; ++s) pair_step(k + 2 * s, s);
-  for (; k < K; k += 2) pair_step(k, 0);
+  }
   for (int r = 0; r < ROWS; ++r) {
     for (int j = 0; j < 4; ++j) {
-      __m512 sum = acc[r][0][j];
-      for (int s = 1; s < SPLIT; ++s) sum = _mm512_add_ps(sum, acc[r][s][j]);
-      if (bias != nullptr) {
+      __m512 sum = acc[r][j];
+      if (bias != nullptr) {  // bfloat16 -> float32 is a shift of the bits
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + 16 * j));
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+        const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(widened));
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + 16 * j),
                           (__m256i)_mm512_cvtneps_pbh(sum));
@@ -68,18 +62,18 @@ void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* block, int64_t K
   }
 }
 
-// Every row of x against one block: the rows in tiles of 4 (16 sums in registers), the block
+// Every row of x against one block: the rows in tiles of 6 (24 sums in registers), the block
 // read again for each tile after the first (from the L2 cache: 64 * K * 2 bytes).
 void block_all_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* block,
                     const uint16_t* bias, uint16_t* out, int64_t ldo) {
   int64_t r = 0;
-  for (; r + 6 <= M; r += 6) block_rows<6, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo);
+  for (; r + 6 <= M; r += 6) block_rows<6>(x + r * K, K, block, K, bias, out + r * ldo, ldo);
   switch (M - r) {
-    case 5: block_rows<5, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
-    case 4: block_rows<4, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
-    case 3: block_rows<3, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
-    case 2: block_rows<2, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
-    case 1: block_rows<1, 1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
+    case 5: block_rows<5>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
+    case 4: block_rows<4>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
+    case 3: block_rows<3>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
+    case 2: block_rows<2>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
+    case 1: block_rows<1>(x + r * K, K, block, K, bias, out + r * ldo, ldo); break;
     default: break;
   }
 }
