@@ -10,6 +10,9 @@
 //
 // splitfuse_cpu::store_and_attend: the same after writing each token's K/V into its cache slot
 // (slot -1: not stored), one call per layer for a step whose every token it attends.
+//
+// A step of few tokens loads its contexts into the caches before the arithmetic
+// (touch_contexts).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -198,6 +201,46 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
   }
 }
 
+// Steps of at most this many tokens read their contexts once ahead of the arithmetic
+// (touch_contexts).
+constexpr int64_t kTouchTokens = 8;
+
+// A decode step finds its contexts in memory, not in the caches (the weights' stream has pushed
+// them out since the step before), and the arithmetic's loads, a block of positions at a time
+// between the sums, leave few misses in flight. So a step of few tokens first loads one byte of
+// every cache line its contexts span (every KV head's rows of each position: the slots of a
+// block are contiguous), loads that do not wait on one another, and the arithmetic then finds
+// them cached. One token at context 256, one layer, amid the weights' stream: 54 -> 38 us.
+// (Software prefetches of the same lines, even a layer ahead, changed nothing there.) Only reads:
+// no number changes.
+void touch_contexts(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                    const at::Tensor& block_tables, const at::Tensor& token_rows,
+                    const at::Tensor& token_lens) {
+  const int64_t num_tokens = token_rows.size(0), block_size = key_cache.size(1);
+  const int64_t table_stride = block_tables.size(1);
+  const int64_t block_bytes = key_cache.stride(0) * key_cache.element_size();
+  const int64_t slot_bytes = key_cache.stride(1) * key_cache.element_size();
+  const auto* keys = static_cast<const volatile char*>(key_cache.data_ptr());
+  const auto* values = static_cast<const volatile char*>(value_cache.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* rows = token_rows.data_ptr<int32_t>();
+  const int32_t* lens = token_lens.data_ptr<int32_t>();
+  const int64_t max_blocks = table_stride;  // (token, block) items
+  at::parallel_for(0, num_tokens * max_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t token = item / max_blocks, b = item % max_blocks;
+      const int64_t used = std::min<int64_t>(block_size, lens[token] - b * block_size);
+      if (used <= 0) continue;
+      const int64_t block = tables[static_cast<int64_t>(rows[token]) * table_stride + b];
+      const int64_t offset = block * block_bytes;
+      for (int64_t byte = 0; byte < used * slot_bytes; byte += 64) {
+        (void)keys[offset + byte];
+        (void)values[offset + byte];
+      }
+    }
+  });
+}
+
 // The attention itself, on checked inputs.
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -206,6 +249,8 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t num_kv_heads = key_cache.size(2);
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
   if (num_tokens == 0) return out;
+  if (num_tokens <= kTouchTokens)
+    touch_contexts(key_cache, value_cache, block_tables, token_rows, token_lens);
   FixedOrderArgs args{query.data_ptr(),
                       key_cache.data_ptr(),
                       value_cache.data_ptr(),
