@@ -67,20 +67,24 @@ class PackedWeight(OpaqueBase):
         weight = weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         self.blocked = _blocked_view(self.packed, weight)
-        self.blocked_rows = BLOCKED_ROWS_AMX if "amx_bf16" in cpu_flags() else BLOCKED_ROWS
+        self.blocked_rows = BLOCKED_ROWS_AMX if _has_amx() else BLOCKED_ROWS
 
     def one_kernel(self) -> None:
         """From now on one kernel runs every product, so that a row's sums run in one order
         whatever the row count (deterministic mode): ``blocked_linear`` where it reads this
         weight and the CPU has no AMX (as fast as oneDNN at every row count there, measured
         above), oneDNN otherwise."""
-        if self.blocked is not None and self.blocked_rows == BLOCKED_ROWS:
+        if self.blocked is not None and not _has_amx():
             self.blocked_rows = sys.maxsize
         else:
             self.blocked = None
 
 
 register_opaque_type(PackedWeight, typ="reference")
+
+
+def _has_amx() -> bool:
+    return "amx_bf16" in cpu_flags()
 
 
 def _blocked_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

@@ -115,8 +115,8 @@ def load() -> str:
 
 def has_blocked_linear() -> bool:
     """Whether ``torch.ops.splitfuse_cpu.blocked_linear`` runs here: the C++ operators are built
-    and the CPU has AVX-512 BF16."""
-    return load() != "torch" and bool(torch.ops.splitfuse_cpu.has_blocked_linear())
+    and run with AVX-512 BF16 (``SPLITFUSE_CPU_ISA`` below that turns it off too)."""
+    return load() == "avx512_bf16"
 
 
 def has_fixed_order_attention() -> bool:

@@ -80,14 +80,14 @@ void block_all_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* blo
 
 #pragma GCC pop_options
 
-bool cpu_has_avx512_bf16() {
+// Python asks whether the kernel runs here through the instruction set quant_linear.cpp picked
+// (kernels/cpu_ops.py, has_blocked_linear); this guards direct calls.
+const bool has_avx512_bf16 = [] {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512bf16");
-}
-
-const bool has_avx512_bf16 = cpu_has_avx512_bf16();
+}();
 
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias) {
@@ -127,7 +127,6 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
 
 TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
   m.def("blocked_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("has_blocked_linear() -> bool", [] { return has_avx512_bf16; });
 }
 
 TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) { m.impl("blocked_linear", blocked_linear); }

@@ -225,10 +225,10 @@ void touch_contexts(const at::Tensor& key_cache, const at::Tensor& value_cache,
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* rows = token_rows.data_ptr<int32_t>();
   const int32_t* lens = token_lens.data_ptr<int32_t>();
-  const int64_t max_blocks = table_stride;  // (token, block) items
-  at::parallel_for(0, num_tokens * max_blocks, 1, [&](int64_t begin, int64_t end) {
+  // (token, block of its table) items
+  at::parallel_for(0, num_tokens * table_stride, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t token = item / max_blocks, b = item % max_blocks;
+      const int64_t token = item / table_stride, b = item % table_stride;
       const int64_t used = std::min<int64_t>(block_size, lens[token] - b * block_size);
       if (used <= 0) continue;
       const int64_t block = tables[static_cast<int64_t>(rows[token]) * table_stride + b];
