@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from engine.deterministic_rows import at_least_two_rows, fixed_tiles
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
@@ -76,6 +77,10 @@ class MatmulLayer(QuantizableWeight):
     def __init__(self) -> None:
         super().__init__()
         self.packed_weight: PackedWeight | None = None
+        # the packed buffer as ``blocked_linear`` reads it (``PackedWeight.blocked``), a buffer
+        # of the module so that a graph of a fixed row count passes it to the operator itself
+        self.register_buffer("blocked_weight", None, persistent=False)
+        self.blocked_rows = 0
         # deterministic mode (``set_deterministic``): a row's product never depends on the others
         self.deterministic = False
 
@@ -86,6 +91,7 @@ class MatmulLayer(QuantizableWeight):
         self.deterministic = True
         if self.packed_weight is not None:
             self.packed_weight.one_kernel()
+            self._share_blocked()
 
     def pack_weights(self) -> None:
         """Call once, after loading (and quantizing): the layer then multiplies with the packed
@@ -94,8 +100,14 @@ class MatmulLayer(QuantizableWeight):
         if self.packed_weight is None and not self.quant_bits and can_pack(self.weight):
             self.packed_out_features = self.weight.shape[0]
             self.packed_weight = PackedWeight(self.weight)
+            self._share_blocked()
             if not self.shares_weight:
                 self.weight.data = self.weight.data.new_empty(0)
+
+    def _share_blocked(self) -> None:
+        assert self.packed_weight is not None
+        self.blocked_weight = self.packed_weight.blocked
+        self.blocked_rows = self.packed_weight.blocked_rows
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.deterministic:
@@ -131,6 +143,17 @@ class MatmulLayer(QuantizableWeight):
         if self.packed_weight is None:
             return F.linear(x, self.weight, bias)
         if torch.compiler.is_compiling():  # the graph calls the operator (no copy of the weight)
+            # a graph of a fixed row count calls blocked_linear itself (one graph for every
+            # row count keeps the operator that picks the kernel at each call)
+            if (
+                self.blocked_weight is not None
+                and statically_known_true(x.shape[0] <= self.blocked_rows)
+                and x.dtype == torch.bfloat16
+                and (bias is None or bias.dtype == torch.bfloat16)
+            ):
+                return torch.ops.splitfuse_cpu.blocked_linear(
+                    x.contiguous(), self.blocked_weight, bias
+                )
             return torch.ops.splitfuse.packed_linear(
                 x, self.packed_weight, self.packed_out_features, bias
             )

@@ -164,7 +164,11 @@ class ModelRunner:
         # for the graphs instead of running eagerly while they compile.
         self.pad_single_token = deterministic
         self.graphs = StepGraphs(
-            self.model, compile, unsupported, single_token_graph=not deterministic
+            self.model,
+            compile,
+            unsupported,
+            single_token_graph=not deterministic,
+            operator_step=self.backend.operator_step,
         )
         self.graphs.start(self._dummy_step, background=not deterministic)
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)
@@ -204,7 +208,9 @@ class ModelRunner:
         """The forward's arguments for a step of ``num_tokens`` prompt tokens over a scratch KV
         cache of a few blocks (compiling the graphs while requests run in the real one)."""
         device = self.device
-        num_blocks = -(-num_tokens // self.block_size)
+        # two blocks at least: a graph traced over tables (or a cache) of one block would
+        # specialize that dimension to 1
+        num_blocks = max(2, -(-num_tokens // self.block_size))
         scratch = torch.zeros_like(self.kv_cache[:, :, :num_blocks])  # [layers, 2, blocks, ...]
         tokens = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         positions = torch.arange(num_tokens, device=device)
@@ -212,7 +218,8 @@ class ModelRunner:
             slot_mapping=positions.clone(),
             query_start=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
             context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+            # not a view: a graph that takes the tables guards on a view's base
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None].clone(),
             max_query_len=num_tokens,
             max_context_len=num_tokens,
         )

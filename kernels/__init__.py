@@ -3,7 +3,8 @@
 ``get_backend("torch")`` is the PyTorch implementation (CPU runtime path and the reference);
 ``get_backend("triton")`` the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``), imported
 only when asked for. Both have the shape of ``AttentionBackend``: ``plan`` once per step (checks,
-indices), ``rope`` once per step, then per layer ``rms_norm``, ``rotary`` and ``attend`` (the K/V
+indices; ``operator_step`` gives it as tensors alone where a graph can take it so), ``rope`` once
+per step, then per layer ``rms_norm``, ``rotary`` and ``attend`` (the K/V
 store and paged attention; ``store_kv`` and ``paged_attention`` are its two halves), and in
 mixture-of-experts layers ``moe_experts`` (``kernels/torch_moe.py``).
 """
@@ -45,6 +46,8 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         max_position: int,
     ) -> Any: ...
+
+    def operator_step(self, plan: Any) -> Any | None: ...
 
     def rope(
         self, positions: torch.Tensor, cos_sin_cache: torch.Tensor

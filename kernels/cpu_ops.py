@@ -102,7 +102,7 @@ def load() -> str:
                 return query.new_empty(query.shape)
 
             @torch.library.register_fake("splitfuse_cpu::store_and_attend")
-            def _fake_store_and_attend(query, key, value, key_cache, value_cache, *args):  # type: ignore[no-untyped-def]
+            def _fake_store_and_attend(query, key, value, kv_cache, layer, *args):  # type: ignore[no-untyped-def]
                 return query.new_empty(query.shape)
 
             @torch.library.register_fake("splitfuse_cpu::blocked_linear")

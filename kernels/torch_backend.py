@@ -20,6 +20,8 @@ tensor math that the compiler traces and fuses.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch._library.opaque_object import register_opaque_type
@@ -36,7 +38,20 @@ from kernels.checks import (
 from kernels.metadata import AttentionMetadata
 from kernels.torch_attention import AttentionPlan, paged_attention, plan_paged_attention
 
-__all__ = ["TorchBackend", "TorchStepPlan"]
+__all__ = ["OperatorStep", "TorchBackend", "TorchStepPlan"]
+
+
+class OperatorStep(NamedTuple):
+    """A step whose every token the C++ operator attends, as tensors alone: what a graph of a
+    fixed token count takes for a plan (``TorchBackend.operator_step``). Its layers then call
+    ``splitfuse_cpu::store_and_attend`` themselves, and inductor's C++ wrapper can run the whole
+    graph without Python."""
+
+    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1: not stored
+    block_tables: torch.Tensor  # [num_rows, >= 2 blocks] int32, contiguous
+    rows: torch.Tensor  # [num_tokens] int32, each token's row of the block tables
+    lens: torch.Tensor  # [num_tokens] int32, the positions each token attends
 
 
 class TorchStepPlan(OpaqueBase):
@@ -58,6 +73,17 @@ class TorchStepPlan(OpaqueBase):
         # the C++ operator attends every token: each layer is then one call that also stores
         kernel = attention.kernel_tokens
         self.fused = kernel is not None and kernel.tokens == slice(0, attention.num_tokens)
+        self.operator_step: OperatorStep | None = None
+        if self.fused:
+            assert kernel is not None
+            # at least two blocks a row: a graph whose tables had one would serve no other step
+            # (a dimension of size 1 is specialized), and the operator reads only ``lens``
+            tables = kernel.block_tables
+            if tables.shape[1] < 2:
+                tables = F.pad(tables, (0, 2 - tables.shape[1]))
+            self.operator_step = OperatorStep(
+                kv_cache, slot_mapping, tables, kernel.rows, kernel.lens
+            )
 
 
 register_opaque_type(TorchStepPlan, typ="reference")
@@ -120,6 +146,11 @@ class TorchBackend:
         )
         return TorchStepPlan(attention, store_slots, store_tokens, kv_cache, slot_mapping)
 
+    def operator_step(self, plan: TorchStepPlan) -> OperatorStep | None:
+        """The step as tensors alone where the C++ operator attends every token (decode steps
+        on CPUs), else None: the plan a graph of one token takes."""
+        return plan.operator_step
+
     def rope(
         self,
         positions: torch.Tensor,  # [num_tokens] int64, checked by ``plan``
@@ -177,12 +208,16 @@ class TorchBackend:
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        plan: TorchStepPlan,
+        plan: TorchStepPlan | OperatorStep,
         layer: int,
         scale: float,
     ) -> torch.Tensor:
         """Stores the layer's K/V and returns the attention of ``query`` [num_tokens, num_heads,
         head_dim] over the layer's cache."""
+        if isinstance(plan, OperatorStep):  # a graph's plan: the operator called directly
+            key, value = key.to(plan.kv_cache.dtype), value.to(plan.kv_cache.dtype)
+            query, key, value = (_heads_rows(t) for t in (query, key, value))
+            return _store_and_attend(query, key, value, plan, layer, scale)
         return torch.ops.splitfuse.attend(query, key, value, plan, layer, scale)
 
     def rms_norm(
@@ -238,24 +273,44 @@ def _attend(
     scale: float,
 ) -> torch.Tensor:
     """The model's own tensors, unchecked per layer (``plan`` checked the step)."""
+    step = plan.operator_step
+    if (
+        step is not None
+        and _heads_contiguous(query, key, value)
+        and key.dtype == step.kv_cache.dtype
+    ):
+        return _store_and_attend(query, key, value, step, layer, scale)
     key_cache, value_cache = plan.kv_cache[layer]
-    if plan.fused and _heads_contiguous(query, key, value) and key.dtype == key_cache.dtype:
-        kernel = plan.attention.kernel_tokens
-        assert kernel is not None
-        return torch.ops.splitfuse_cpu.store_and_attend(
-            query,
-            key,
-            value,
-            key_cache,
-            value_cache,
-            plan.slot_mapping,
-            kernel.block_tables,
-            kernel.rows,
-            kernel.lens,
-            scale,
-        )
     _store_kv(key, value, key_cache, value_cache, plan)
     return paged_attention(query, key_cache, value_cache, plan.attention, scale)
+
+
+def _store_and_attend(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], heads contiguous
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], heads contiguous, cache dtype
+    value: torch.Tensor,
+    step: OperatorStep,
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    """One C++ call: stores the layer's K/V into the step's slots and attends every token."""
+    return torch.ops.splitfuse_cpu.store_and_attend(
+        query,
+        key,
+        value,
+        step.kv_cache,
+        layer,
+        step.slot_mapping,
+        step.block_tables,
+        step.rows,
+        step.lens,
+        scale,
+    )
+
+
+def _heads_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its heads as contiguous rows (a copy only where they are not)."""
+    return tensor if _heads_contiguous(tensor) else tensor.contiguous()
 
 
 def _heads_contiguous(*tensors: torch.Tensor) -> bool:

@@ -87,6 +87,10 @@ class TritonBackend:
             _check_rows(positions.shape[0], metadata)
         return TritonStepPlan(metadata, kv_cache)
 
+    def operator_step(self, plan: TritonStepPlan) -> None:
+        """None: no step is run by inductor's C++ wrapper here (``TorchBackend.operator_step``)."""
+        return None
+
     def rope(
         self, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

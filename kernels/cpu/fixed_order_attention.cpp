@@ -9,7 +9,8 @@
 // fixed_order_attention_body.h.
 //
 // splitfuse_cpu::store_and_attend: the same after writing each token's K/V into its cache slot
-// (slot -1: not stored), one call per layer for a step whose every token it attends.
+// (slot -1: not stored), one call per layer for a step whose every token it attends; it takes
+// the whole cache [num_layers, 2, ...] and the layer's index.
 //
 // A step of few tokens loads its contexts into the caches before the arithmetic
 // (touch_contexts).
@@ -282,10 +283,20 @@ at::Tensor fixed_order_attention(const at::Tensor& query, const at::Tensor& key_
 }
 
 at::Tensor store_and_attend(const at::Tensor& query, const at::Tensor& key,
-                            const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                            const at::Tensor& value, at::Tensor& kv_cache, int64_t layer,
                             const at::Tensor& slots, const at::Tensor& block_tables,
                             const at::Tensor& token_rows, const at::Tensor& token_lens,
                             double scale) {
+  // the whole cache and a layer index, not the layer's two views: a compiled graph that takes
+  // the cache as an input then mutates that input itself (no views of it to regenerate)
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+              "store_and_attend: kv_cache must be a contiguous "
+              "[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] tensor");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "store_and_attend: layer ", layer,
+              " of a cache of ", kv_cache.size(0), " layers");
+  const at::Tensor layer_cache = kv_cache.select(0, layer);
+  const at::Tensor key_cache = layer_cache.select(0, 0);
+  const at::Tensor value_cache = layer_cache.select(0, 1);
   check_inputs(query, key_cache, value_cache, block_tables, token_rows, token_lens);
   const int64_t num_tokens = query.size(0);
   const int64_t row_size = key_cache.size(2) * key_cache.size(3);  // one slot's elements
@@ -323,9 +334,9 @@ at::Tensor store_and_attend(const at::Tensor& query, const at::Tensor& key,
 TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
   m.def("fixed_order_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor token_rows, Tensor token_lens, float scale) -> Tensor");
-  m.def("store_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
-        "Tensor(b!) value_cache, Tensor slots, Tensor block_tables, Tensor token_rows, "
-        "Tensor token_lens, float scale) -> Tensor");
+  m.def("store_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+        "int layer, Tensor slots, Tensor block_tables, Tensor token_rows, Tensor token_lens, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {

@@ -182,18 +182,26 @@ def test_store_and_attend_stores_then_attends():
             expected_keys.view(-1, 2, 16)[slot] = key[token]
             expected_values.view(-1, 2, 16)[slot] = value[token]
     want = _attend(query, expected_keys, expected_values, tables, rows, lens, 0.25)
-    keys, values = key_cache.clone(), value_cache.clone()
+    # the whole cache [num_layers, 2, ...] and a layer: layer 1 of 3 here, the others untouched
+    cache = torch.stack([torch.stack([key_cache, value_cache])] * 3)
     got = torch.ops.splitfuse_cpu.store_and_attend(
-        query, key, value, keys, values, slots, tables, rows, lens, 0.25
+        query, key, value, cache, 1, slots, tables, rows, lens, 0.25
     )
     assert torch.equal(got, want)
-    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
-    # a slot past the cache: refused, nothing written
-    before = keys.clone()
+    assert torch.equal(cache[1, 0], expected_keys) and torch.equal(cache[1, 1], expected_values)
+    for other in (0, 2):
+        assert torch.equal(cache[other, 0], key_cache)
+        assert torch.equal(cache[other, 1], value_cache)
+    # a slot past the cache, or a layer outside it: refused, nothing written
+    before = cache.clone()
     bad = slots.clone()
-    bad[3] = keys.shape[0] * 8
+    bad[3] = key_cache.shape[0] * 8
     with pytest.raises(RuntimeError, match="stores into slot"):
         torch.ops.splitfuse_cpu.store_and_attend(
-            query, key * 2, value, keys, values, bad, tables, rows, lens, 0.25
+            query, key * 2, value, cache, 1, bad, tables, rows, lens, 0.25
         )
-    assert torch.equal(keys, before)
+    with pytest.raises(RuntimeError, match="layer 3 of a cache of 3 layers"):
+        torch.ops.splitfuse_cpu.store_and_attend(
+            query, key * 2, value, cache, 3, slots, tables, rows, lens, 0.25
+        )
+    assert torch.equal(cache, before)

@@ -205,6 +205,70 @@ def test_inputs_no_graph_fits_run_eagerly_without_compiling(tiny_llama_dir, monk
     assert outputs == _generate(_engine(tiny_llama_dir), prompts, params, together=False)
 
 
+def _one_token_graph_calls(engine: LLMEngine) -> list[int]:
+    """Counts the calls of the engine's graph of one token that takes the plan as tensors."""
+    graphs = engine.runner.graphs
+    assert graphs._single is not None
+    calls: list[int] = []
+    single = graphs._single
+
+    def counted(input_ids, *args):
+        calls.append(input_ids.shape[0])
+        return single(input_ids, *args)
+
+    graphs._single = counted
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_token_steps_take_the_plan_as_tensors(tiny_llama_dir, monkeypatch, dtype) -> None:
+    """A one-token step's graph takes the plan as tensors and calls the C++ attention itself;
+    it runs under inductor's C++ wrapper unless a product needs oneDNN's packed weight (an
+    opaque object that wrapper cannot pass: float32 here), and its logits are the eager
+    forward's."""
+    from kernels.cpu_ops import has_fixed_order_attention
+
+    if not has_fixed_order_attention():
+        pytest.skip("the C++ operators are not built here")
+    engine = _engine(tiny_llama_dir, dtype=dtype, compile=True)
+    needs_python = step_graphs.python_wrapper_needed(engine.runner.model.model)
+    assert ("weight packed for oneDNN" in needs_python) == (dtype == "float32")
+    calls = _one_token_graph_calls(engine)
+    engine.add_request("a", _prompts(1, seed=4)[0], SamplingParams(max_tokens=10))
+    tolerance = LOGITS_ATOL if dtype == "float32" else 0.05
+
+    def check(compiled: torch.Tensor, eager: torch.Tensor) -> None:
+        scale = 1.0 if dtype == "float32" else float(eager.abs().max())
+        assert float((compiled - eager).abs().max()) <= tolerance * scale
+
+    assert _compare_steps(engine, check, monkeypatch) == 10
+    assert calls == [1] * 9
+
+
+def test_a_one_token_graph_that_fails_leaves_the_other_form(
+    tiny_llama_dir, monkeypatch, caplog
+) -> None:
+    """If the graph of one token cannot be made (here: the C++ wrapper asked for where a
+    product takes an opaque packed weight), one-token steps go through the graph of the other
+    sizes' form, compiled for them at start-up, with the same tokens."""
+    from kernels.cpu_ops import has_fixed_order_attention
+
+    if not has_fixed_order_attention():
+        pytest.skip("the C++ operators are not built here")
+    monkeypatch.setattr(step_graphs, "python_wrapper_needed", lambda stack: "")
+    with caplog.at_level(logging.ERROR, logger="engine.step_graphs"):
+        engine = _engine(tiny_llama_dir, compile=True)
+    assert "the graph of one token failed" in caplog.text
+    graphs = engine.runner.graphs
+    assert graphs.mode == step_graphs.COMPILED and graphs._single is None
+    num_graphs = step_graphs.StepGraphs.num_graphs()
+    prompts = _prompts(2, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2
+    outputs = _generate(engine, prompts, params, together=False)
+    assert step_graphs.StepGraphs.num_graphs() == num_graphs  # fail_on_recompile held too
+    assert outputs == _generate(_engine(tiny_llama_dir), prompts, params, together=False)
+
+
 def test_compile_is_skipped_where_it_cannot_run() -> None:
     unsupported = step_graphs.compile_unsupported
     assert unsupported(torch.device("cpu"), "torch", 1) == ""
