@@ -2,7 +2,9 @@
 // [N, K] weight (4-bit asymmetric or 8-bit symmetric, float16 scales per group), out [M, N]
 // float32. Threads share the output columns; the weight's bytes are read once per call, which is
 // what bounds a decode step.
-//   one row:   the weight is dequantized in registers and multiplied at once (gemv_*)
+//   one row:   the weight is dequantized in registers and multiplied at once (gemv_*); a
+//              bfloat16 row times 4-bit weights on CPUs with AVX-512 BF16 multiplies the
+//              4-bit values themselves and applies scales and mins per group afterwards
 //   more rows: a tile of weight rows is dequantized into a per-thread buffer in the L1 cache and
 //              multiplied with every row of x (float32), or, for bfloat16 x on CPUs with
 //              AVX-512 BF16, rounded to bfloat16 and multiplied with VDPBF16PS
@@ -173,6 +175,148 @@ static void quant_linear_columns(const uint16_t* x, int64_t M, int64_t K, int64_
   }
 }
 
+// One bfloat16 row times a 4-bit weight, with the group's scale and min taken out of the sum:
+//   sum_k x[k] (scale[g] q[k] + min[g]) = sum_g scale[g] (sum_{k in g} x[k] q[k]) + min[g] X[g]
+// where X[g] is the sum of x over group g. The values q (0..15) are exact in bfloat16 and a
+// product of two bfloat16s is exact in float32, so sum x q runs in VDPBF16PS straight from the
+// bytes: 32 bytes (two runs of 32 values) widen to 32 words, the words index a table of the 16
+// values (VPERMW reads an index's low 5 bits, so the low nibble needs no mask, the high one a
+// shift), and two VDPBF16PS add the pairs into 16 float lanes, lanes 0-7 holding the first
+// run's sums and 8-15 the second's; one FMA applies the runs' scales. About 8 instructions per
+// 64 weights instead of 18 for dequantizing to float: the default model's 121 products in
+// int4, one row, 2 threads, 6.2 -> 4.0-4.7 ms (84 MB; the LM head alone 0.55 ms, ~32 GB/s,
+// about what the machine reads).
+//
+// x is given in the order these lanes read it (`PreparedRow`): per 64 values, the first 16 of
+// each run, then the last 16 of each run.
+struct PreparedRow {
+  std::vector<uint16_t> x;          // K bfloat16s, reordered
+  std::vector<float> group_sums;    // X[g], num_groups (+ 16 of padding) floats
+};
+
+static PreparedRow prepare_row(const uint16_t* x, int64_t K, int64_t group_size) {
+  PreparedRow row;
+  row.x.resize(K);
+  const int64_t num_groups = K / group_size;
+  row.group_sums.assign(num_groups + 16, 0.0f);
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    std::copy(x + k, x + k + 16, row.x.begin() + k);
+    std::copy(x + k + 32, x + k + 48, row.x.begin() + k + 16);
+    std::copy(x + k + 16, x + k + 32, row.x.begin() + k + 32);
+    std::copy(x + k + 48, x + k + 64, row.x.begin() + k + 48);
+  }
+  std::copy(x + k, x + K, row.x.begin() + k);  // a last run of 32 keeps its order
+  for (int64_t g = 0; g < num_groups; ++g) {
+    float sum = 0.0f;
+    for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+      float value;
+      __builtin_memcpy(&value, &bits, sizeof value);
+      sum += value;
+    }
+    row.group_sums[g] = sum;
+  }
+  return row;
+}
+
+// bfloat16 bits of 0..15, twice (VPERMW indexes 32 words)
+static __m512i nibble_table() {
+  alignas(64) uint16_t table[32];
+  for (int i = 0; i < 32; ++i) {
+    const float value = static_cast<float>(i & 15);
+    uint32_t bits;
+    __builtin_memcpy(&bits, &value, sizeof bits);
+    table[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+  }
+  return _mm512_load_si512(table);
+}
+
+// COLS output columns; `scales` and `mins` hold their groups' values as floats, num_groups a
+// column, followed by 16 floats of padding (any finite values).
+template <int COLS>
+static void gemv_4bit(const PreparedRow& row, const uint8_t* qrows, int64_t K, int64_t group_size,
+                      const float* scales, const float* mins, float* out) {
+  const __m512i table = nibble_table();
+  const int64_t num_groups = K / group_size;
+  const int64_t row_bytes = K / 2;
+  // lanes 0-7 take the scale of the first run's group, 8-15 the one of the second run's group,
+  // the next one where the group changes between the runs
+  const __m512i same_group = _mm512_setzero_si512();
+  const __m512i next_group = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[COLS];
+  // the mins' part first: sum_g min[g] X[g], lane by lane (X is 0 past the last group)
+  for (int c = 0; c < COLS; ++c) {
+    acc[c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < num_groups; g += 16)
+      acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(mins + c * num_groups + g),
+                               _mm512_loadu_ps(row.group_sums.data() + g), acc[c]);
+  }
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512bh x_low = (__m512bh)_mm512_loadu_si512(row.x.data() + k);
+    const __m512bh x_high = (__m512bh)_mm512_loadu_si512(row.x.data() + k + 32);
+    const int64_t group = k / group_size;
+    const __m512i lane_group = (k + 32) / group_size == group ? same_group : next_group;
+    for (int c = 0; c < COLS; ++c) {
+      const uint8_t* bytes = qrows + c * row_bytes + k / 2;
+      __builtin_prefetch(bytes + 8 * COLS * row_bytes);  // one stream per column: read ahead
+      const __m512i words =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+      const __m512bh w_low = (__m512bh)_mm512_permutexvar_epi16(words, table);
+      const __m512bh w_high =
+          (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+      __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), x_low, w_low);
+      dot = _mm512_dpbf16_ps(dot, x_high, w_high);
+      const __m512 lane_scales =
+          _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + c * num_groups + group));
+      acc[c] = _mm512_fmadd_ps(dot, lane_scales, acc[c]);
+    }
+  }
+  if (k < K) {  // a last run of 32: 16 bytes, in 256-bit halves
+    const __m256bh x_low =
+        (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.x.data() + k));
+    const __m256bh x_high =
+        (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.x.data() + k + 16));
+    for (int c = 0; c < COLS; ++c) {
+      const __m512i words = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrows + c * row_bytes + k / 2))));
+      const __m256bh w_low =
+          (__m256bh)_mm512_castsi512_si256(_mm512_permutexvar_epi16(words, table));
+      const __m256bh w_high = (__m256bh)_mm512_castsi512_si256(
+          _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table));
+      __m256 dot = _mm256_dpbf16_ps(_mm256_setzero_ps(), x_low, w_low);
+      dot = _mm256_dpbf16_ps(dot, x_high, w_high);
+      const __m256 scale = _mm256_set1_ps(scales[c * num_groups + k / group_size]);
+      acc[c] = _mm512_add_ps(acc[c], _mm512_castps256_ps512(_mm256_mul_ps(dot, scale)));
+    }
+  }
+  for (int c = 0; c < COLS; ++c) out[c] = _mm512_reduce_add_ps(acc[c]);
+}
+
+// Output columns [col_begin, col_end) of one bfloat16 row times a 4-bit weight. `buffer` holds
+// 8 * num_groups + 32 floats.
+static void gemv_4bit_columns(const PreparedRow& row, int64_t K, const uint8_t* qweight,
+                              const uint16_t* scales, const uint16_t* mins, int64_t group_size,
+                              int64_t col_begin, int64_t col_end, float* buffer, float* out) {
+  const int64_t num_groups = K / group_size;
+  float* tile_scales = buffer;                        // 4 columns' scales, + 16
+  float* tile_mins = tile_scales + 4 * num_groups + 16;  // 4 columns' mins, + 16
+  for (int64_t n = col_begin; n < col_end; n += 4) {
+    const int cols = static_cast<int>(std::min<int64_t>(4, col_end - n));
+    // a tile's scales (and mins) lie next to each other: [N, num_groups]
+    splitfuse_avx512::halves_to_floats(scales + n * num_groups, cols * num_groups, tile_scales);
+    splitfuse_avx512::halves_to_floats(mins + n * num_groups, cols * num_groups, tile_mins);
+    const uint8_t* qrows = qweight + n * (K / 2);
+    switch (cols) {
+      case 4: gemv_4bit<4>(row, qrows, K, group_size, tile_scales, tile_mins, out + n); break;
+      case 3: gemv_4bit<3>(row, qrows, K, group_size, tile_scales, tile_mins, out + n); break;
+      case 2: gemv_4bit<2>(row, qrows, K, group_size, tile_scales, tile_mins, out + n); break;
+      default: gemv_4bit<1>(row, qrows, K, group_size, tile_scales, tile_mins, out + n); break;
+    }
+  }
+}
+
 }  // namespace splitfuse_avx512_bf16
 #pragma GCC pop_options
 
@@ -260,6 +404,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   // Threads share the output columns in whole tiles of 4 (a tile's rows are dequantized once).
   const int64_t num_tiles = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
+  if (x.scalar_type() == at::kBFloat16 && M == 1 && bits == 4 && bf16_dot) {
+    const splitfuse_avx512_bf16::PreparedRow row = splitfuse_avx512_bf16::prepare_row(
+        reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), K, group_size);
+    at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> buffer(8 * num_groups + 32);
+      splitfuse_avx512_bf16::gemv_4bit_columns(row, K, static_cast<const uint8_t*>(q_ptr), s_ptr,
+                                               m_ptr, group_size, begin * 4,
+                                               std::min(end * 4, N), buffer.data(), out_ptr);
+    });
+    return out;
+  }
   if (x.scalar_type() == at::kBFloat16 && M > 1 && bf16_dot) {
     const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {

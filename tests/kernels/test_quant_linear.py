@@ -105,6 +105,27 @@ def test_bfloat16_rows_multiply_the_bfloat16_rounded_weight_or_the_exact_one(bit
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize(
+    "num_in,group_size",
+    [(576, 32), (160, 32), (32, 32), (256, 64), (192, 96), (384, 128)],
+)
+def test_one_bfloat16_row_takes_scales_and_mins_out_of_the_sums(num_in, group_size):
+    """Where the CPU multiplies bfloat16 in hardware, one bfloat16 row sums x q per run of 32
+    and applies the scales and mins afterwards: the exact weight, float32 rounding. The shapes
+    cover a last run of 32 outside the steps of 64 (160, 32), groups that change between the
+    two runs of a step or not (96, 64, 128) and a last tile of one column (45)."""
+    load()
+    torch.manual_seed(num_in + group_size)
+    quantized = quantize(torch.randn(45, num_in) * 0.1, 4, group_size)
+    for scale in (1.0, 1e3):  # large x: the scale and min parts cancel more
+        x = (torch.randn(1, num_in) * scale).bfloat16()
+        got = torch.ops.splitfuse_cpu.quant_linear(
+            x, quantized.qweight, quantized.scales, quantized.mins, 4, group_size
+        )
+        want = F.linear(x.double(), quantized.dequantize().double())
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_the_product_refuses_what_it_cannot_read():
     load()
     quantized = quantize(torch.randn(8, 64), 4, 32)
