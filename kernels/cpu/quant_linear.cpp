@@ -98,6 +98,28 @@ static void floats_to_bf16(const float* in, int64_t n, uint16_t* out) {
                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
 }
 
+// Row n of a 4-bit weight as bfloat16s: out[k] = bfloat16(scale[k / G] * q[k] + min[k / G]),
+// the numbers that dequantizing to float and rounding give, from a table per group: its 16
+// values are computed once (one FMA, one rounding) and the bytes' nibbles index it (VPERMW on
+// 16 words reads an index's low 4 bits, so the low nibble needs no mask, the high one a shift).
+// Per run of 32 values: 6 instructions instead of 15 through floats.
+static void dequantize_row_4bit(const uint8_t* qrow, const float* scales, const float* mins,
+                                int64_t K, int64_t group_size, uint16_t* out) {
+  const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t g = 0; g < K / group_size; ++g) {
+    const __m256i table = (__m256i)_mm512_cvtneps_pbh(
+        _mm512_fmadd_ps(values, _mm512_set1_ps(scales[g]), _mm512_set1_ps(mins[g])));
+    for (int64_t run = g * group_size; run < (g + 1) * group_size; run += 32) {
+      const __m256i words = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + run / 2)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + run),
+                          _mm256_permutexvar_epi16(words, table));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + run + 16),
+                          _mm256_permutexvar_epi16(_mm256_srli_epi16(words, 4), table));
+    }
+  }
+}
+
 template <int ROWS, int COLS>
 static void micro_kernel(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out,
                          int64_t ldo) {
@@ -151,13 +173,13 @@ static void quant_linear_columns(const uint16_t* x, int64_t M, int64_t K, int64_
       splitfuse_avx512::halves_to_floats(scales + row * num_groups, num_groups, row_scales);
       if (bits == 4) {
         splitfuse_avx512::halves_to_floats(mins + row * num_groups, num_groups, row_mins);
-        splitfuse_avx512::dequantize_row_4bit(static_cast<const uint8_t*>(qweight) + row * (K / 2),
-                                              row_scales, row_mins, K, group_size, buffer);
+        dequantize_row_4bit(static_cast<const uint8_t*>(qweight) + row * (K / 2), row_scales,
+                            row_mins, K, group_size, weights + (row - chunk) * K);
       } else {
         splitfuse_avx512::dequantize_row_8bit(static_cast<const int8_t*>(qweight) + row * K,
                                               row_scales, K, group_size, buffer);
+        floats_to_bf16(buffer, K, weights + (row - chunk) * K);
       }
-      floats_to_bf16(buffer, K, weights + (row - chunk) * K);
     }
     for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
       const int64_t rows = std::min(block_rows, M - r0);
