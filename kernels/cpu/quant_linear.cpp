@@ -85,9 +85,10 @@ static inline vint load_s8(const int8_t* p) {
 }  // namespace splitfuse_avx2
 #pragma GCC pop_options
 
-// Rows of bfloat16 x on CPUs with AVX-512 BF16: the weight tile is dequantized to float (exact),
-// rounded to bfloat16 (the numbers a bfloat16 copy of the float weights holds) and multiplied
-// with VDPBF16PS, two products per lane per instruction, float32 sums.
+// Rows of bfloat16 x on CPUs with AVX-512 BF16: the weight tile is dequantized and rounded to
+// bfloat16 (the numbers a bfloat16 copy of the float weights holds) and multiplied with
+// VDPBF16PS, two products per lane per instruction, float32 sums; one bfloat16 row times 4-bit
+// weights multiplies the 4-bit values themselves (gemv_4bit).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")
 namespace splitfuse_avx512_bf16 {
@@ -120,6 +121,20 @@ static void dequantize_row_4bit(const uint8_t* qrow, const float* scales, const 
   }
 }
 
+// The lane sums of four vectors at once, as [sum(a[0]), .., sum(a[3])]: pairs of vectors are
+// interleaved and added, twice, then the four 128-bit quarters (9 instructions, not 4 x 8).
+static inline __m128 sum_lanes_of_4(const __m512* a) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  // per 128-bit quarter: [a, b, a, b] + [c, d, c, d] interleaved by pairs -> [a, b, c, d]
+  const __m512 abcd = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4E));
+  const __m512 quarters = _mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, 0xB1));
+  return _mm512_castps512_ps128(quarters);
+}
+
 template <int ROWS, int COLS>
 static void micro_kernel(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out,
                          int64_t ldo) {
@@ -134,8 +149,13 @@ static void micro_kernel(const uint16_t* x, int64_t ldx, const uint16_t* w, int6
       for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+  for (int r = 0; r < ROWS; ++r) {
+    if constexpr (COLS == 4) {
+      _mm_storeu_ps(out + r * ldo, sum_lanes_of_4(acc[r]));
+    } else {
+      for (int c = 0; c < COLS; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+    }
+  }
 }
 
 template <int COLS>
