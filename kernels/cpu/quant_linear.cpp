@@ -233,14 +233,14 @@ static void quant_linear_columns(const uint16_t* x, int64_t M, int64_t K, int64_
 // each run, then the last 16 of each run.
 struct PreparedRow {
   std::vector<uint16_t> x;          // K bfloat16s, reordered
-  std::vector<float> group_sums;    // X[g], num_groups (+ 16 of padding) floats
+  std::vector<float> group_sums;    // X[g], num_groups floats
 };
 
 static PreparedRow prepare_row(const uint16_t* x, int64_t K, int64_t group_size) {
   PreparedRow row;
   row.x.resize(K);
   const int64_t num_groups = K / group_size;
-  row.group_sums.assign(num_groups + 16, 0.0f);
+  row.group_sums.assign(num_groups, 0.0f);
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
     std::copy(x + k, x + k + 16, row.x.begin() + k);
@@ -275,7 +275,7 @@ static __m512i nibble_table() {
 }
 
 // COLS output columns; `scales` and `mins` hold their groups' values as floats, num_groups a
-// column, followed by 16 floats of padding (any finite values).
+// column, followed by 16 floats of padding (read, never used).
 template <int COLS>
 static void gemv_4bit(const PreparedRow& row, const uint8_t* qrows, int64_t K, int64_t group_size,
                       const float* scales, const float* mins, float* out) {
@@ -287,12 +287,14 @@ static void gemv_4bit(const PreparedRow& row, const uint8_t* qrows, int64_t K, i
   const __m512i same_group = _mm512_setzero_si512();
   const __m512i next_group = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   __m512 acc[COLS];
-  // the mins' part first: sum_g min[g] X[g], lane by lane (X is 0 past the last group)
+  // the mins' part first: sum_g min[g] X[g], lane by lane
   for (int c = 0; c < COLS; ++c) {
     acc[c] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < num_groups; g += 16)
-      acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(mins + c * num_groups + g),
-                               _mm512_loadu_ps(row.group_sums.data() + g), acc[c]);
+    for (int64_t g = 0; g < num_groups; g += 16) {
+      const __mmask16 in_row = num_groups - g >= 16 ? 0xFFFF : (1u << (num_groups - g)) - 1;
+      acc[c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in_row, mins + c * num_groups + g),
+                               _mm512_maskz_loadu_ps(in_row, row.group_sums.data() + g), acc[c]);
+    }
   }
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
