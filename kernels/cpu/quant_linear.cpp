@@ -275,11 +275,10 @@ static __m512i nibble_table() {
 }
 
 // COLS output columns; `scales` and `mins` hold their groups' values as floats, num_groups a
-// column, followed by 16 floats of padding (read, never used).
+// column, followed by 16 floats of padding (read, never used); `table` is nibble_table().
 template <int COLS>
 static void gemv_4bit(const PreparedRow& row, const uint8_t* qrows, int64_t K, int64_t group_size,
-                      const float* scales, const float* mins, float* out) {
-  const __m512i table = nibble_table();
+                      const float* scales, const float* mins, __m512i table, float* out) {
   const int64_t num_groups = K / group_size;
   const int64_t row_bytes = K / 2;
   // lanes 0-7 take the scale of the first run's group, 8-15 the one of the second run's group,
@@ -346,17 +345,20 @@ static void gemv_4bit_columns(const PreparedRow& row, int64_t K, const uint8_t* 
   const int64_t num_groups = K / group_size;
   float* tile_scales = buffer;                        // 4 columns' scales, + 16
   float* tile_mins = tile_scales + 4 * num_groups + 16;  // 4 columns' mins, + 16
+  const __m512i table = nibble_table();
   for (int64_t n = col_begin; n < col_end; n += 4) {
     const int cols = static_cast<int>(std::min<int64_t>(4, col_end - n));
     // a tile's scales (and mins) lie next to each other: [N, num_groups]
     splitfuse_avx512::halves_to_floats(scales + n * num_groups, cols * num_groups, tile_scales);
     splitfuse_avx512::halves_to_floats(mins + n * num_groups, cols * num_groups, tile_mins);
     const uint8_t* qrows = qweight + n * (K / 2);
+    const float* sc = tile_scales;
+    const float* mn = tile_mins;
     switch (cols) {
-      case 4: gemv_4bit<4>(row, qrows, K, group_size, tile_scales, tile_mins, out + n); break;
-      case 3: gemv_4bit<3>(row, qrows, K, group_size, tile_scales, tile_mins, out + n); break;
-      case 2: gemv_4bit<2>(row, qrows, K, group_size, tile_scales, tile_mins, out + n); break;
-      default: gemv_4bit<1>(row, qrows, K, group_size, tile_scales, tile_mins, out + n); break;
+      case 4: gemv_4bit<4>(row, qrows, K, group_size, sc, mn, table, out + n); break;
+      case 3: gemv_4bit<3>(row, qrows, K, group_size, sc, mn, table, out + n); break;
+      case 2: gemv_4bit<2>(row, qrows, K, group_size, sc, mn, table, out + n); break;
+      default: gemv_4bit<1>(row, qrows, K, group_size, sc, mn, table, out + n); break;
     }
   }
 }
