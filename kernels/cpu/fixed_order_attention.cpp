@@ -3,8 +3,10 @@
 // rows, which chunk a token arrived in, which tokens share its thread): deterministic mode's CPU
 // attention, and the default mode's for decode tokens (it reads a context in place where SDPA
 // needs it gathered). Token t attends to positions 0 .. token_lens[t] - 1 of row token_rows[t]
-// of the block tables, reading K/V in place; threads share (token, KV head) items, each computed
-// whole by one thread. float32 arithmetic; the result [num_tokens, num_heads, head_dim] in the
+// of the block tables, reading K/V in place; threads share items, each computed whole by one
+// thread: (token, KV head) in a step of few tokens, a token's every KV head in a larger one (its
+// context's blocks then read front to back: 32 decode tokens at context 256, amid a step's
+// weights, ~1.2 -> ~0.6 ms a layer). float32 arithmetic; the result [num_tokens, num_heads, head_dim] in the
 // query's dtype (rounded to nearest even, as torch's conversions). The order of every sum is in
 // fixed_order_attention_body.h.
 //
@@ -50,6 +52,7 @@ struct FixedOrderArgs {
   void* out;  // [num_tokens, num_heads, head_dim], the query's dtype
   int64_t num_tokens, query_stride, table_stride, slot_stride, block_size;
   int64_t num_heads, num_kv_heads, head_dim;
+  int64_t kv_per_item;  // KV heads of a token per work item: 1 or num_kv_heads
   float scale;
   int kinds;  // query kind * 3 + cache kind; kind: 0 float32, 1 bfloat16, 2 float16
 };
@@ -206,6 +209,9 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
 // (touch_contexts).
 constexpr int64_t kTouchTokens = 8;
 
+// Steps of at least this many tokens per thread give each work item a token's every KV head.
+constexpr int64_t kWholeTokenItems = 4;
+
 // A decode step finds its contexts in memory, not in the caches (the weights' stream has pushed
 // them out since the step before), and the arithmetic's loads, a block of positions at a time
 // between the sums, leave few misses in flight. So a step of few tokens first loads one byte of
@@ -252,6 +258,11 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
   if (num_tokens == 0) return out;
   if (num_tokens <= kTouchTokens)
     touch_contexts(key_cache, value_cache, block_tables, token_rows, token_lens);
+  // a token's every KV head in one item where there are enough tokens to share out (each block
+  // of its context is then read front to back, its slots' heads contiguous); a KV head per item
+  // where there are few, so that threads share them
+  const int64_t kv_per_item =
+      num_tokens >= kWholeTokenItems * at::get_num_threads() ? num_kv_heads : 1;
   FixedOrderArgs args{query.data_ptr(),
                       key_cache.data_ptr(),
                       value_cache.data_ptr(),
@@ -267,9 +278,10 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
                       num_heads,
                       num_kv_heads,
                       head_dim,
+                      kv_per_item,
                       static_cast<float>(scale),
                       kind_of(query, "query") * 3 + kind_of(key_cache, "the caches")};
-  const int64_t num_items = num_tokens * num_kv_heads;
+  const int64_t num_items = num_tokens * (num_kv_heads / kv_per_item);
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) { run_fn(args, begin, end); });
   return out;
 }

@@ -83,62 +83,74 @@ inline void load_row<Bf16>(const Bf16* in, int64_t n, float* out) {
   for (int64_t d = 0; d < n; ++d) words[d] = static_cast<uint32_t>(bits[d]) << 16;
 }
 
-// Positions p0 .. p0 + n - 1 of one KV head, read through the block table, as float rows Dp apart.
+// Positions p0 .. p0 + n - 1 of KV heads [kv0, kv0 + nkv), read through the block table, as
+// float rows Dp apart: position i's head j at row i * nkv + j. A slot's heads are contiguous, so
+// the item of a token's every KV head reads each block front to back.
 template <typename CacheT>
 static inline void widen_block(const CacheT* cache, const FixedOrderArgs& a, const int32_t* table,
-                               int64_t kv_head, int64_t p0, int64_t n, int64_t Dp, float* block) {
+                               int64_t kv0, int64_t nkv, int64_t p0, int64_t n, int64_t Dp,
+                               float* block) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t p = p0 + i;
     const int64_t slot =
         static_cast<int64_t>(table[p / a.block_size]) * a.block_size + p % a.block_size;
-    load_row(cache + slot * a.slot_stride + kv_head * a.head_dim, a.head_dim, block + i * Dp);
+    const CacheT* row = cache + slot * a.slot_stride + kv0 * a.head_dim;
+    for (int64_t j = 0; j < nkv; ++j)
+      load_row(row + j * a.head_dim, a.head_dim, block + (i * nkv + j) * Dp);
   }
 }
 
+// Items [begin, end): item k is (token, group of kv_per_item KV heads), the items taken from both
+// ends in turn. How many KV heads an item holds changes which thread computes a head, never how.
 template <typename QueryT, typename CacheT>
 static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
-  const int64_t G = a.num_heads / a.num_kv_heads, D = a.head_dim;
+  const int64_t G = a.num_heads / a.num_kv_heads, D = a.head_dim, nkv = a.kv_per_item;
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> queries(G * Dp, 0.0f), block(kBlock * Dp, 0.0f);
-  std::vector<float> out(G * Dp), totals(G), weights;
+  const int64_t heads = nkv * G;  // an item's query heads
+  std::vector<float> queries(heads * Dp, 0.0f), block(kBlock * nkv * Dp, 0.0f);
+  std::vector<float> out(heads * Dp), totals(heads), weights;
   const auto* query = static_cast<const QueryT*>(a.query);
   const auto* keys = static_cast<const CacheT*>(a.key_cache);
   const auto* values = static_cast<const CacheT*>(a.value_cache);
   auto* result = static_cast<QueryT*>(a.out);
-  const int64_t num_items = a.num_tokens * a.num_kv_heads;
+  const int64_t groups = a.num_kv_heads / nkv;
+  const int64_t num_items = a.num_tokens * groups;
+  const int64_t stride = nkv * Dp;  // from a position's row of a head to the next position's
   for (int64_t k = begin; k < end; ++k) {
     const int64_t item = k % 2 == 0 ? k / 2 : num_items - 1 - k / 2;
-    const int64_t token = item / a.num_kv_heads, kv_head = item % a.num_kv_heads;
+    const int64_t token = item / groups, kv0 = item % groups * nkv;
     const int64_t length = a.token_lens[token];
     const int32_t* table = a.block_tables + a.token_rows[token] * a.table_stride;
-    for (int64_t h = 0; h < G; ++h) {
-      const QueryT* q = query + token * a.query_stride + (kv_head * G + h) * D;
+    // head h of the item is query head kv0 * G + h, of KV head kv0 + h / G
+    for (int64_t h = 0; h < heads; ++h) {
+      const QueryT* q = query + token * a.query_stride + (kv0 * G + h) * D;
       for (int64_t d = 0; d < D; ++d) queries[h * Dp + d] = to_float(q[d]);
     }
-    weights.resize(G * length);
+    weights.resize(heads * length);
     // scores, a block of positions' keys widened at once; four positions' lane trees at a time
     for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, length - p0);
-      widen_block(keys, a, table, kv_head, p0, n, Dp, block.data());
-      for (int64_t h = 0; h < G; ++h) {
+      widen_block(keys, a, table, kv0, nkv, p0, n, Dp, block.data());
+      for (int64_t h = 0; h < heads; ++h) {
         const float* q = queries.data() + h * Dp;
+        const float* keys_of_head = block.data() + (h / G) * Dp;
         float* w = weights.data() + h * length + p0;
         int64_t i = 0;
         for (; i + 4 <= n; i += 4) {
-          const float* k = block.data() + i * Dp;
+          const float* k = keys_of_head + i * stride;
           v16 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
           for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) {
             const v16 qd = load16(q + d0);
             acc0 = fma16(qd, load16(k + d0), acc0);
-            acc1 = fma16(qd, load16(k + Dp + d0), acc1);
-            acc2 = fma16(qd, load16(k + 2 * Dp + d0), acc2);
-            acc3 = fma16(qd, load16(k + 3 * Dp + d0), acc3);
+            acc1 = fma16(qd, load16(k + stride + d0), acc1);
+            acc2 = fma16(qd, load16(k + 2 * stride + d0), acc2);
+            acc3 = fma16(qd, load16(k + 3 * stride + d0), acc3);
           }
           const v4 scores = lane_trees(acc0, acc1, acc2, acc3) * a.scale;
           __builtin_memcpy(w + i, &scores, sizeof scores);
         }
         for (; i < n; ++i) {
-          const float* k = block.data() + i * Dp;
+          const float* k = keys_of_head + i * stride;
           v16 acc = {};
           for (int64_t d0 = 0; d0 < Dp; d0 += kLanes)
             acc = fma16(load16(q + d0), load16(k + d0), acc);
@@ -146,7 +158,7 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
         }
       }
     }
-    for (int64_t h = 0; h < G; ++h) {
+    for (int64_t h = 0; h < heads; ++h) {
       float* w = weights.data() + h * length;
       float top = w[0];
       for (int64_t p = 1; p < length; ++p) top = w[p] > top ? w[p] : top;
@@ -160,20 +172,21 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
     std::fill(out.begin(), out.end(), 0.0f);
     for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, length - p0);
-      widen_block(values, a, table, kv_head, p0, n, Dp, block.data());
-      for (int64_t h = 0; h < G; ++h) {
+      widen_block(values, a, table, kv0, nkv, p0, n, Dp, block.data());
+      for (int64_t h = 0; h < heads; ++h) {
         const float* w = weights.data() + h * length + p0;
+        const float* values_of_head = block.data() + (h / G) * Dp;
         float* o = out.data() + h * Dp;
         for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) {
           v16 acc = load16(o + d0);
           for (int64_t i = 0; i < n; ++i)
-            acc = fma16(v16{} + w[i], load16(block.data() + i * Dp + d0), acc);
+            acc = fma16(v16{} + w[i], load16(values_of_head + i * stride + d0), acc);
           store16(o + d0, acc);
         }
       }
     }
-    for (int64_t h = 0; h < G; ++h) {
-      QueryT* o = result + (token * a.num_heads + kv_head * G + h) * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      QueryT* o = result + (token * a.num_heads + kv0 * G + h) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = from_float<QueryT>(out[h * Dp + d] / totals[h]);
     }
   }
