@@ -6,9 +6,9 @@
 // of the block tables, reading K/V in place; threads share items, each computed whole by one
 // thread: (token, KV head) in a step of few tokens, a token's every KV head in a larger one (its
 // context's blocks then read front to back: 32 decode tokens at context 256, amid a step's
-// weights, ~1.2 -> ~0.6 ms a layer). float32 arithmetic; the result [num_tokens, num_heads, head_dim] in the
-// query's dtype (rounded to nearest even, as torch's conversions). The order of every sum is in
-// fixed_order_attention_body.h.
+// weights, ~1.2 -> ~0.6 ms a layer). float32 arithmetic; the result [num_tokens, num_heads,
+// head_dim] in the query's dtype (rounded to nearest even, as torch's conversions). The order of
+// every sum is in fixed_order_attention_body.h.
 //
 // splitfuse_cpu::store_and_attend: the same after writing each token's K/V into its cache slot
 // (slot -1: not stored), one call per layer for a step whose every token it attends; it takes
