@@ -58,12 +58,7 @@ struct FixedOrderArgs {
 };
 
 inline float to_float(float v) { return v; }
-inline float to_float(Bf16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
-  float value;
-  __builtin_memcpy(&value, &bits, sizeof value);
-  return value;
-}
+inline float to_float(Bf16 v) { return bfloat16_to_float(v.bits); }
 inline float to_float(Fp16 v) { return half_to_float(v.bits); }
 
 template <typename T>

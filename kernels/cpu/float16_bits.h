@@ -1,9 +1,17 @@
-// float16 bits to float, exactly: shared by the C++ operators of kernels/cpu/.
+// float16 and bfloat16 bits to float, exactly: shared by the C++ operators of kernels/cpu/.
 #pragma once
 
 #include <cstdint>
 
 namespace {
+// A bfloat16 (its bits) as a float: the bits shifted into the high half.
+inline float bfloat16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 // A float16 (its bits) as a float: normals, subnormals, zeros, infinities and NaNs.
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;

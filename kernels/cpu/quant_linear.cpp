@@ -251,12 +251,8 @@ static PreparedRow prepare_row(const uint16_t* x, int64_t K, int64_t group_size)
   std::copy(x + k, x + K, row.x.begin() + k);  // a last run of 32 keeps its order
   for (int64_t g = 0; g < num_groups; ++g) {
     float sum = 0.0f;
-    for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
-      float value;
-      __builtin_memcpy(&value, &bits, sizeof value);
-      sum += value;
-    }
+    for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i)
+      sum += bfloat16_to_float(x[i]);
     row.group_sums[g] = sum;
   }
   return row;
@@ -351,14 +347,13 @@ static void gemv_4bit_columns(const PreparedRow& row, int64_t K, const uint8_t* 
     // a tile's scales (and mins) lie next to each other: [N, num_groups]
     splitfuse_avx512::halves_to_floats(scales + n * num_groups, cols * num_groups, tile_scales);
     splitfuse_avx512::halves_to_floats(mins + n * num_groups, cols * num_groups, tile_mins);
-    const uint8_t* qrows = qweight + n * (K / 2);
-    const float* sc = tile_scales;
-    const float* mn = tile_mins;
+    const uint8_t* q = qweight + n * (K / 2);
+    float* o = out + n;
     switch (cols) {
-      case 4: gemv_4bit<4>(row, qrows, K, group_size, sc, mn, table, out + n); break;
-      case 3: gemv_4bit<3>(row, qrows, K, group_size, sc, mn, table, out + n); break;
-      case 2: gemv_4bit<2>(row, qrows, K, group_size, sc, mn, table, out + n); break;
-      default: gemv_4bit<1>(row, qrows, K, group_size, sc, mn, table, out + n); break;
+      case 4: gemv_4bit<4>(row, q, K, group_size, tile_scales, tile_mins, table, o); break;
+      case 3: gemv_4bit<3>(row, q, K, group_size, tile_scales, tile_mins, table, o); break;
+      case 2: gemv_4bit<2>(row, q, K, group_size, tile_scales, tile_mins, table, o); break;
+      default: gemv_4bit<1>(row, q, K, group_size, tile_scales, tile_mins, table, o); break;
     }
   }
 }
