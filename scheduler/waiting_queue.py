@@ -106,7 +106,7 @@ class WaitingQueue:
                 yield entries[request_id].request
 
     def overtakes_too_far(
-        self, request: Request, passed: set[str], busy_groups: set[str | None]
+        self, request: Request, passed: set[str], busy_groups: set[str]
     ) -> bool:
         """Whether admitting ``request`` now would overtake an earlier arrival that has waited
         through ``max_overtakes`` admissions and could run now: not in ``passed`` (admitted or

@@ -206,17 +206,24 @@ def test_inputs_no_graph_fits_run_eagerly_without_compiling(tiny_llama_dir, monk
 
 
 def _one_token_graph_calls(engine: LLMEngine) -> list[int]:
-    """Counts the calls of the engine's graph of one token that takes the plan as tensors."""
+    """Counts the calls of the engine's graph of one token that takes the plan as tensors
+    (called directly, or through the compiler where it does not fit a step's inputs)."""
     graphs = engine.runner.graphs
-    assert graphs._single is not None
+    assert graphs._single is not None and graphs.direct is not None
     calls: list[int] = []
-    single = graphs._single
+    single, direct = graphs._single, graphs.direct
 
     def counted(input_ids, *args):
         calls.append(input_ids.shape[0])
         return single(input_ids, *args)
 
-    graphs._single = counted
+    def counted_direct(**step):
+        output = direct(**step)
+        if output is not None:
+            calls.append(step["input_ids"].shape[0])
+        return output
+
+    graphs._single, graphs.direct = counted, counted_direct
     return calls
 
 
@@ -243,6 +250,58 @@ def test_one_token_steps_take_the_plan_as_tensors(tiny_llama_dir, monkeypatch, d
 
     assert _compare_steps(engine, check, monkeypatch) == 10
     assert calls == [1] * 9
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_graph_of_one_token_called_directly_is_the_compilers(
+    tiny_llama_dir, monkeypatch, dtype
+) -> None:
+    """Once compiled, the graph of one token is called without the compiler's frame evaluation:
+    its logits are, bit for bit, those of the compiler's path on the same step (contexts across
+    many blocks, so the tables' width changes), and a step whose tensors the graph was not traced
+    for (int32 token ids) is refused, to go through the compiler."""
+    from kernels.cpu_ops import has_fixed_order_attention
+
+    if not has_fixed_order_attention():
+        pytest.skip("the C++ operators are not built here")
+    engine = _engine(tiny_llama_dir, dtype=dtype, compile=True)
+    graphs = engine.runner.graphs
+    direct = graphs.direct
+    assert direct is not None
+    direct_calls = 0
+
+    def counted(**step):
+        nonlocal direct_calls
+        output = direct(**step)
+        direct_calls += output is not None
+        return output
+
+    original = step_graphs.StepGraphs.__call__
+    compared = 0
+
+    def both(self, input_ids, positions, plan, sample_rows):
+        nonlocal compared
+        logits = original(self, input_ids, positions, plan, sample_rows)
+        if input_ids.shape[0] == 1:
+            self.direct = None  # the same step through the compiler (rewrites the same K/V)
+            try:
+                through_compiler = original(self, input_ids, positions, plan, sample_rows)
+            finally:
+                self.direct = counted
+            assert torch.equal(logits, through_compiler)
+            _, tensors = self._graph(1, plan)
+            int32_ids = input_ids.to(torch.int32)
+            assert direct(input_ids=int32_ids, positions=positions, plan=tensors) is None
+            compared += 1
+        return logits
+
+    graphs.direct = counted
+    monkeypatch.setattr(step_graphs.StepGraphs, "__call__", both)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine.add_request("a", _prompts(1, seed=8)[0], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert compared == direct_calls == 39
 
 
 def test_a_one_token_graph_that_fails_leaves_the_other_form(
