@@ -69,6 +69,25 @@ def test_a_rows_result_does_not_depend_on_the_others() -> None:
         assert torch.equal(alone, full[rows])
 
 
+@pytest.mark.parametrize("out_features", [64, 576, 960])  # 1, 9 and 15 blocks
+def test_the_result_does_not_depend_on_the_threads(out_features) -> None:
+    """Threads share the blocks; a column's sum is the same whichever thread computes it."""
+    generator = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 576, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    x = torch.randn(7, 576, generator=generator).bfloat16()
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            results.append(torch.ops.splitfuse_cpu.blocked_linear(x, _blocked(weight), bias))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(result, results[0]) for result in results[1:])
+    _assert_one_bf16_step(results[0], _reference(x, weight, bias))
+
+
 def test_packed_weights_are_read_in_place() -> None:
     weight = torch.randn(192, 576).bfloat16()
     packed = PackedWeight(weight)
