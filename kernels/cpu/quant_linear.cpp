@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -460,10 +461,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> buffer(K + 2 * num_groups);
-      std::vector<uint16_t> weights(splitfuse_avx512_bf16::kChunk * K);
+      // uninitialized: every element is written before it is read (a zeroed vector cleared
+      // up to 768 KB a call, ~2% of a 32-row step's products)
+      const auto weights =
+          std::make_unique_for_overwrite<uint16_t[]>(splitfuse_avx512_bf16::kChunk * K);
       splitfuse_avx512_bf16::quant_linear_columns(
           x_ptr, M, K, N, q_ptr, s_ptr, m_ptr, static_cast<int>(bits), group_size, begin * 4,
-          std::min(end * 4, N), buffer.data(), weights.data(), out_ptr);
+          std::min(end * 4, N), buffer.data(), weights.get(), out_ptr);
     });
     return out;
   }

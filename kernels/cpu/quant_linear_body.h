@@ -107,8 +107,11 @@ static void gemv_8bit(const float* x, const int8_t* qrows, int64_t K, int64_t gr
     for (int c = 0; c < COLS; ++c) dot[c][0] = dot[c][1] = (vfloat){};
     for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 2 * SF_LANES) {
       // 8 tiles ahead: one stream per column defeats the hardware prefetcher (an int8 LM head
-      // 49152 x 576, one thread: 5.2 -> 1.9 ms)
-      for (int c = 0; c < COLS; ++c) __builtin_prefetch(qrows + (8 * COLS + c) * K + k);
+      // 49152 x 576, one thread: 5.2 -> 1.9 ms). Into the L2 cache, not the L1 (locality 2):
+      // the L1's few outstanding misses limited the stream on an AMD EPYC (the same LM head,
+      // cold caches, one thread: 3.6 -> 2.0 ms; two: 1.8 -> 1.0-1.3 ms). The 4-bit products
+      // below are bound by their arithmetic there, and the hint changed nothing for them.
+      for (int c = 0; c < COLS; ++c) __builtin_prefetch(qrows + (8 * COLS + c) * K + k, 0, 2);
       for (int half = 0; half < 2; ++half) {
         const vfloat xv = load(x + k + half * SF_LANES);
         for (int c = 0; c < COLS; ++c) {
