@@ -49,7 +49,9 @@ void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* block, int64_t K
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
     const uint16_t* w = block + k * kBlock;
-    if constexpr (PREFETCH) {  // the 4 cache lines of a pair, kPrefetchBytes ahead
+    // the 4 cache lines of a pair, kPrefetchBytes ahead (a prefetch past the weight's end
+    // never faults)
+    if constexpr (PREFETCH) {
       const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
       for (int j = 0; j < 4; ++j) __builtin_prefetch(ahead + 64 * j, 0, 2);
     }
