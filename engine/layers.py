@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from engine.deterministic_rows import at_least_two_rows, fixed_tiles
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.parallel import SINGLE_PROCESS, ParallelContext
-from engine.quantization import QuantizedTensor
+from engine.quantization import PackedInt4, QuantizedTensor
 
 
 def _shape(loaded: Any) -> tuple[int, ...]:
@@ -32,8 +32,9 @@ def _shape(loaded: Any) -> tuple[int, ...]:
 class QuantizableWeight(nn.Module):
     """A module whose ``weight`` [rows, cols] ``set_quantized()`` can replace by a weight-only
     quantized one (``engine/quantization.py``): its tensors become the buffers ``qweight``,
-    ``qscales`` and ``qmins``, and the float parameter gives its storage up (a weight another
-    module shares keeps it until that module is quantized too)."""
+    ``qscales`` and ``qmins`` (a 4-bit weight on a CPU packed as ``PackedInt4``), and the float
+    parameter gives its storage up (a weight another module shares keeps it until that module is
+    quantized too)."""
 
     weight: nn.Parameter
     # True where ``weight`` is another module's parameter too (an LM head tied to the embedding)
@@ -43,11 +44,19 @@ class QuantizableWeight(nn.Module):
         super().__init__()
         self.quant_bits = 0  # 0: not quantized
         self.quant_group_size = 0
+        # > 0: the 4-bit buffers hold a ``PackedInt4`` of this many output rows
+        self.int4_out_features = 0
 
     @property
     def quantized(self) -> QuantizedTensor | None:
         if not self.quant_bits:
             return None
+        if self.int4_out_features:  # packed for the CPU's integer dot products
+            packed = PackedInt4(
+                self.qweight, self.qscales, self.qmins, self.int4_out_features,
+                self.quant_group_size,
+            )
+            return packed.unpack()
         return QuantizedTensor(
             self.qweight, self.qscales, self.qmins, self.quant_bits, self.quant_group_size
         )
@@ -59,9 +68,16 @@ class QuantizableWeight(nn.Module):
                 f"a quantized weight of shape {quantized.shape} cannot replace one of "
                 f"{tuple(self.weight.shape)}"
             )
-        self.register_buffer("qweight", quantized.qweight, persistent=False)
-        self.register_buffer("qscales", quantized.scales, persistent=False)
-        self.register_buffer("qmins", quantized.mins, persistent=False)
+        tensors = quantized.qweight, quantized.scales, quantized.mins
+        self.int4_out_features = 0
+        if quantized.bits == 4 and quantized.qweight.device.type == "cpu":
+            # the layout the CPU's 4-bit product reads: the same bytes in another order
+            packed = PackedInt4.pack(quantized)
+            tensors = packed.packed, packed.scales, packed.mins
+            self.int4_out_features = packed.out_features
+        self.register_buffer("qweight", tensors[0], persistent=False)
+        self.register_buffer("qscales", tensors[1], persistent=False)
+        self.register_buffer("qmins", tensors[2], persistent=False)
         self.quant_bits = quantized.bits
         self.quant_group_size = quantized.group_size
         if not self.shares_weight:
@@ -71,8 +87,8 @@ class QuantizableWeight(nn.Module):
 class MatmulLayer(QuantizableWeight):
     """A layer with a ``weight`` [out_features, in_features] that ``pack_weights()`` can replace
     by a packed copy once loaded (float32, and bfloat16 where the CPU has bfloat16 hardware; see
-    ``engine/packed_linear.py``), or ``set_quantized()`` by a quantized one (CPUs: the operator
-    ``splitfuse_cpu::quant_linear`` of ``kernels/cpu_ops.py``)."""
+    ``engine/packed_linear.py``), or ``set_quantized()`` by a quantized one (CPUs: the operators
+    ``splitfuse_cpu::int4_linear`` and ``quant_linear`` of ``kernels/cpu_ops.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,15 +145,19 @@ class MatmulLayer(QuantizableWeight):
                     self.quant_bits,
                     self.quant_group_size,
                 )
-            else:  # float32 (or bfloat16) in, float32 out, float32 sums
-                x_in = x if x.dtype == torch.bfloat16 else x.float()
-                out = torch.ops.splitfuse_cpu.quant_linear(
-                    x_in.contiguous(),
+            elif self.int4_out_features:  # x in int8 runs times the 4-bit values: int32 sums
+                out = torch.ops.splitfuse_cpu.int4_linear(
+                    x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous(),
                     self.qweight,
                     self.qscales,
                     self.qmins,
-                    self.quant_bits,
+                    self.int4_out_features,
                     self.quant_group_size,
+                ).to(x.dtype)
+            else:  # 8 bits: float32 (or bfloat16) in, float32 out, float32 sums
+                x_in = x if x.dtype == torch.bfloat16 else x.float()
+                out = torch.ops.splitfuse_cpu.quant_linear(
+                    x_in.contiguous(), self.qweight, self.qscales, self.quant_group_size
                 ).to(x.dtype)
             return out if bias is None else out + bias
         if self.packed_weight is None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from engine.config import QuantizationConfig
@@ -220,6 +221,100 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedTenso
         packed = pack_4bit(q.reshape(num_rows, num_cols))
         return QuantizedTensor(packed, scales, mins, 4, group_size)
     raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+BLOCK_COLS = 16  # output columns per block of a weight packed for integer dot products
+
+
+@dataclass
+class PackedInt4:
+    """A 4-bit weight [N, K] packed for ``splitfuse_cpu::int4_linear`` (CPUs): blocks of 16
+    output columns (the last one padded with zero columns), each K / 8 steps of 64 bytes. Byte
+    4 c + j of step s holds, for column c of the block, value 8 s + j in its low nibble and value
+    8 s + 4 + j in its high nibble (j = 0..3), so one 64-byte load gives the 4 consecutive
+    values of 16 columns that one VPDPBUSD multiplies with 4 int8 activations:
+
+        packed  [ceil(N / 16), K * 8] uint8
+        scales  [ceil(N / 16), K / group_size, 16] float16 (a block's 16 columns side by side)
+        mins    [ceil(N / 16), K / group_size, 16] float16
+
+    It holds the same numbers as the ``QuantizedTensor`` it came from (``unpack`` gives it back),
+    in the same number of bytes, plus the padding."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    out_features: int
+    group_size: int
+
+    @classmethod
+    def pack(cls, quantized: QuantizedTensor) -> PackedInt4:
+        if quantized.bits != 4 or quantized.mins is None:
+            raise ValueError("only 4-bit weights are packed for integer dot products")
+        num_rows, num_cols = quantized.shape
+        blocks = -(-num_rows // BLOCK_COLS)
+        pad = blocks * BLOCK_COLS - num_rows
+        values = F.pad(unpack_4bit(quantized.qweight), (0, 0, 0, pad))  # [N', K] in 0..15
+        steps = values.reshape(blocks, BLOCK_COLS, num_cols // 8, 2, 4).permute(0, 2, 1, 3, 4)
+        packed = (steps[:, :, :, 0] | (steps[:, :, :, 1] << 4)).reshape(blocks, num_cols * 8)
+
+        def by_block(t: torch.Tensor) -> torch.Tensor:
+            t = F.pad(t, (0, 0, 0, pad))
+            return t.reshape(blocks, BLOCK_COLS, -1).transpose(1, 2).contiguous()
+
+        return cls(
+            packed.contiguous(),
+            by_block(quantized.scales),
+            by_block(quantized.mins),
+            num_rows,
+            quantized.group_size,
+        )
+
+    def unpack(self) -> QuantizedTensor:
+        """The ``QuantizedTensor`` this was packed from."""
+        blocks, step_bytes = self.packed.shape
+        num_cols = step_bytes // 8
+        steps = self.packed.reshape(blocks, num_cols // 8, BLOCK_COLS, 1, 4)
+        values = torch.cat([steps & 15, steps >> 4], dim=3)  # [blocks, K / 8, 16, 2, 4]
+        values = values.permute(0, 2, 1, 3, 4).reshape(blocks * BLOCK_COLS, num_cols)
+
+        def by_row(t: torch.Tensor) -> torch.Tensor:
+            return t.transpose(1, 2).reshape(blocks * BLOCK_COLS, -1)[: self.out_features]
+
+        return QuantizedTensor(
+            pack_4bit(values[: self.out_features]),
+            by_row(self.scales).contiguous(),
+            by_row(self.mins).contiguous(),
+            4,
+            self.group_size,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) as ``int4_linear`` multiplies it: per row and run of 32
+    values, int8 ``q`` and a float32 scale ``d`` = max |x| / 127 (q = round(x / d), ties to even;
+    an all-zero run: d = 0, q = 0). Returns q [M, K] int8 and d [M, K / 32] float32; x stands for
+    q * d. Each element is off by at most d / 2, 1/254 of its run's largest magnitude."""
+    num_rows, num_cols = x.shape
+    runs = x.float().reshape(num_rows, num_cols // RUN, RUN)
+    scale = runs.abs().amax(dim=2) / 127
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(runs * inverse[:, :, None]).to(torch.int8)
+    return q.reshape(num_rows, num_cols), scale
+
+
+def int4_linear_reference(x: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
+    """What ``int4_linear`` computes, in float64: x quantized (``quantize_activations``) times
+    the dequantized weight. -> [M, N] float32."""
+    q, scale = quantize_activations(x)
+    num_rows, num_cols = q.shape
+    x_hat = q.double().reshape(num_rows, num_cols // RUN, RUN) * scale.double()[:, :, None]
+    product = F.linear(x_hat.reshape(num_rows, num_cols), weight.unpack().dequantize().double())
+    return product.float()
 
 
 def quantize_model(

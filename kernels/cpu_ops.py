@@ -1,8 +1,8 @@
 """The C++ CPU operators of ``kernels/cpu/``, built by torch's extension builder (once; ``make
 install`` builds them, later imports load the cached library):
 
-- ``splitfuse_cpu::quant_linear``, the weight-only quantized product, with a PyTorch fallback
-  where no C++ compiler is there;
+- ``splitfuse_cpu::quant_linear`` and ``splitfuse_cpu::int4_linear``, the weight-only quantized
+  products (8-bit and 4-bit), with PyTorch fallbacks where no C++ compiler is there;
 - ``splitfuse_cpu::fixed_order_attention`` and ``splitfuse_cpu::store_and_attend``, attention
   over the paged cache in a fixed order: deterministic mode's, and the default mode's for decode
   tokens (``kernels/torch_attention.py``; without a compiler, SDPA and, in deterministic mode,
@@ -11,11 +11,16 @@ install`` builds them, later imports load the cached library):
   blocked layout, on CPUs with AVX-512 BF16 (``engine/packed_linear.py``; elsewhere, or without a
   compiler, oneDNN runs every product: ``has_blocked_linear``).
 
-``quant_linear(x, qweight, scales, mins, bits, group_size)``: x [M, K] float32 or bfloat16 times
-the dequantized weight [N, K] transposed -> [M, N] float32 (layouts in ``engine/quantization.py``).
+``quant_linear(x, qweight, scales, group_size)``: x [M, K] float32 or bfloat16 times an 8-bit
+weight [N, K] (layouts in ``engine/quantization.py``), dequantized and transposed -> [M, N] float32.
 float32 sums of exact products, except for bfloat16 rows (more than one) on CPUs with AVX-512
 BF16: there the weight is rounded to bfloat16 (what a bfloat16 copy of the float weight holds)
 and multiplied in hardware.
+
+``int4_linear(x, packed, scales, mins, out_features, group_size)``: x times a 4-bit weight packed
+as ``PackedInt4`` -> [M, N] float32; x is rounded to int8 in runs of 32 first
+(``quantize_activations``) and the 4-bit values multiply it in int32 sums
+(``int4_linear_reference`` is what it computes).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def _build() -> str:
             str(_SOURCE_DIR / "quant_linear.cpp"),
             str(_SOURCE_DIR / "fixed_order_attention.cpp"),
             str(_SOURCE_DIR / "blocked_linear.cpp"),
+            str(_SOURCE_DIR / "int4_linear.cpp"),
         ],
         extra_include_paths=[str(_SOURCE_DIR)],
         extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"],
@@ -57,25 +63,33 @@ def _build() -> str:
 
 
 def _define_fallback() -> None:
-    """The same operator in PyTorch (dequantize, then ``F.linear``)."""
-    from engine.quantization import dequantize_groups
+    """The same operators in PyTorch (dequantize, then ``F.linear``)."""
+    from engine.quantization import PackedInt4, dequantize_groups, int4_linear_reference
 
     library = torch.library.Library("splitfuse_cpu", "DEF")
     _state["library"] = library  # kept alive: the definitions live as long as the object
-    library.define(
-        "quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
-        "int group_size) -> Tensor"
-    )
+    library.define("quant_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor")
 
-    def quant_linear(x, qweight, scales, mins, bits, group_size):  # type: ignore[no-untyped-def]
-        weight = dequantize_groups(qweight, scales, mins, bits, group_size)
+    def quant_linear(x, qweight, scales, group_size):  # type: ignore[no-untyped-def]
+        weight = dequantize_groups(qweight, scales, None, 8, group_size)
         return torch.nn.functional.linear(x.float(), weight)
 
     library.impl("quant_linear", quant_linear, "CPU")
+    library.define(
+        "int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int out_features, "
+        "int group_size) -> Tensor"
+    )
+
+    def int4_linear(x, packed, scales, mins, out_features, group_size):  # type: ignore[no-untyped-def]
+        weight = PackedInt4(packed, scales, mins, out_features, group_size)
+        return int4_linear_reference(x, weight)
+
+    library.impl("int4_linear", int4_linear, "CPU")
 
 
 def load() -> str:
-    """Makes ``torch.ops.splitfuse_cpu.quant_linear`` available; returns what runs it:
+    """Makes ``torch.ops.splitfuse_cpu.quant_linear`` (and the others) available; returns what
+    runs the 8-bit product:
     "avx512_bf16", "avx512", "avx2" or "sse2" (the C++ operator) or "torch" (the fallback)."""
     with _lock:
         if "kind" in _state:
@@ -92,8 +106,12 @@ def load() -> str:
             kind = "torch"
 
         @torch.library.register_fake("splitfuse_cpu::quant_linear")
-        def _fake(x, qweight, scales, mins, bits, group_size):  # type: ignore[no-untyped-def]
+        def _fake(x, qweight, scales, group_size):  # type: ignore[no-untyped-def]
             return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
+
+        @torch.library.register_fake("splitfuse_cpu::int4_linear")
+        def _fake_int4(x, packed, scales, mins, out_features, group_size):  # type: ignore[no-untyped-def]
+            return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
         if kind != "torch":
 

@@ -1,10 +1,8 @@
-// splitfuse_cpu::quant_linear: x [M, K] (float32 or bfloat16) times a weight-only quantized
-// [N, K] weight (4-bit asymmetric or 8-bit symmetric, float16 scales per group), out [M, N]
-// float32. Threads share the output columns; the weight's bytes are read once per call, which is
-// what bounds a decode step.
-//   one row:   the weight is dequantized in registers and multiplied at once (gemv_*); a
-//              bfloat16 row times 4-bit weights on CPUs with AVX-512 BF16 multiplies the
-//              4-bit values themselves and applies scales and mins per group afterwards
+// splitfuse_cpu::quant_linear: x [M, K] (float32 or bfloat16) times an 8-bit weight-only quantized
+// [N, K] weight (symmetric, float16 scales per group), out [M, N] float32: the LM head and the
+// int8 layers. Threads share the output columns; the weight's bytes are read once per call,
+// which is what bounds a decode step. (4-bit weights: int4_linear.cpp.)
+//   one row:   the weight is dequantized in registers and multiplied at once (gemv_8bit)
 //   more rows: a tile of weight rows is dequantized into a per-thread buffer in the L1 cache and
 //              multiplied with every row of x (float32), or, for bfloat16 x on CPUs with
 //              AVX-512 BF16, rounded to bfloat16 and multiplied with VDPBF16PS
@@ -43,9 +41,6 @@ static inline void halves_to_floats(const uint16_t* in, int64_t n, float* out) {
         out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
   for (; i < n; ++i) out[i] = _cvtsh_ss(in[i]);
 }
-static inline vint load_u8(const uint8_t* p) {
-  return (vint)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 static inline vint load_s8(const int8_t* p) {
   return (vint)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -74,9 +69,6 @@ static inline void halves_to_floats(const uint16_t* in, int64_t n, float* out) {
         out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
   for (; i < n; ++i) out[i] = _cvtsh_ss(in[i]);
 }
-static inline vint load_u8(const uint8_t* p) {
-  return (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
 static inline vint load_s8(const int8_t* p) {
   return (vint)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
@@ -88,8 +80,7 @@ static inline vint load_s8(const int8_t* p) {
 
 // Rows of bfloat16 x on CPUs with AVX-512 BF16: the weight tile is dequantized and rounded to
 // bfloat16 (the numbers a bfloat16 copy of the float weights holds) and multiplied with
-// VDPBF16PS, two products per lane per instruction, float32 sums; one bfloat16 row times 4-bit
-// weights multiplies the 4-bit values themselves (gemv_4bit).
+// VDPBF16PS, two products per lane per instruction, float32 sums.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")
 namespace splitfuse_avx512_bf16 {
@@ -98,28 +89,6 @@ static void floats_to_bf16(const float* in, int64_t n, uint16_t* out) {
   for (int64_t i = 0; i < n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
-}
-
-// Row n of a 4-bit weight as bfloat16s: out[k] = bfloat16(scale[k / G] * q[k] + min[k / G]),
-// the numbers that dequantizing to float and rounding give, from a table per group: its 16
-// values are computed once (one FMA, one rounding) and the bytes' nibbles index it (VPERMW on
-// 16 words reads an index's low 4 bits, so the low nibble needs no mask, the high one a shift).
-// Per run of 32 values: 6 instructions instead of 15 through floats.
-static void dequantize_row_4bit(const uint8_t* qrow, const float* scales, const float* mins,
-                                int64_t K, int64_t group_size, uint16_t* out) {
-  const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t g = 0; g < K / group_size; ++g) {
-    const __m256i table = (__m256i)_mm512_cvtneps_pbh(
-        _mm512_fmadd_ps(values, _mm512_set1_ps(scales[g]), _mm512_set1_ps(mins[g])));
-    for (int64_t run = g * group_size; run < (g + 1) * group_size; run += 32) {
-      const __m256i words = _mm256_cvtepu8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + run / 2)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + run),
-                          _mm256_permutexvar_epi16(words, table));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + run + 16),
-                          _mm256_permutexvar_epi16(_mm256_srli_epi16(words, 4), table));
-    }
-  }
 }
 
 // The lane sums of four vectors at once, as [sum(a[0]), .., sum(a[3])]: pairs of vectors are
@@ -175,32 +144,23 @@ static void all_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
 // As quant_linear_columns, x in bfloat16. The columns go in chunks of kChunk: a chunk's weight
 // rows are dequantized once into `weights` (kChunk * K bfloat16s, in the L2 cache), then
 // multiplied with blocks of x rows small enough for the L1 cache, so that neither the weight
-// nor x is read from further away once per output tile. `buffer` holds K + 2 * K / group_size
+// nor x is read from further away once per output tile. `buffer` holds K + K / group_size
 // floats.
 constexpr int64_t kChunk = 256;
 
 static void quant_linear_columns(const uint16_t* x, int64_t M, int64_t K, int64_t N,
-                                 const void* qweight, const uint16_t* scales,
-                                 const uint16_t* mins, int bits, int64_t group_size,
-                                 int64_t col_begin, int64_t col_end, float* buffer,
-                                 uint16_t* weights, float* out) {
+                                 const int8_t* qweight, const uint16_t* scales,
+                                 int64_t group_size, int64_t col_begin, int64_t col_end,
+                                 float* buffer, uint16_t* weights, float* out) {
   const int64_t num_groups = K / group_size;
   float* row_scales = buffer + K;
-  float* row_mins = row_scales + num_groups;
   const int64_t block_rows = std::max<int64_t>(4, (24 * 1024 / (2 * K)) / 4 * 4);
   for (int64_t chunk = col_begin; chunk < col_end; chunk += kChunk) {
     const int64_t chunk_end = std::min(chunk + kChunk, col_end);
     for (int64_t row = chunk; row < chunk_end; ++row) {
       splitfuse_avx512::halves_to_floats(scales + row * num_groups, num_groups, row_scales);
-      if (bits == 4) {
-        splitfuse_avx512::halves_to_floats(mins + row * num_groups, num_groups, row_mins);
-        dequantize_row_4bit(static_cast<const uint8_t*>(qweight) + row * (K / 2), row_scales,
-                            row_mins, K, group_size, weights + (row - chunk) * K);
-      } else {
-        splitfuse_avx512::dequantize_row_8bit(static_cast<const int8_t*>(qweight) + row * K,
-                                              row_scales, K, group_size, buffer);
-        floats_to_bf16(buffer, K, weights + (row - chunk) * K);
-      }
+      splitfuse_avx512::dequantize_row_8bit(qweight + row * K, row_scales, K, group_size, buffer);
+      floats_to_bf16(buffer, K, weights + (row - chunk) * K);
     }
     for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
       const int64_t rows = std::min(block_rows, M - r0);
@@ -218,147 +178,6 @@ static void quant_linear_columns(const uint16_t* x, int64_t M, int64_t K, int64_
   }
 }
 
-// One bfloat16 row times a 4-bit weight, with the group's scale and min taken out of the sum:
-//   sum_k x[k] (scale[g] q[k] + min[g]) = sum_g scale[g] (sum_{k in g} x[k] q[k]) + min[g] X[g]
-// where X[g] is the sum of x over group g. The values q (0..15) are exact in bfloat16 and a
-// product of two bfloat16s is exact in float32, so sum x q runs in VDPBF16PS straight from the
-// bytes: 32 bytes (two runs of 32 values) widen to 32 words, the words index a table of the 16
-// values (VPERMW reads an index's low 5 bits, so the low nibble needs no mask, the high one a
-// shift), and two VDPBF16PS add the pairs into 16 float lanes, lanes 0-7 holding the first
-// run's sums and 8-15 the second's; one FMA applies the runs' scales. About 8 instructions per
-// 64 weights instead of 18 for dequantizing to float: the default model's 121 products in
-// int4, one row, 2 threads, 6.2 -> 4.0-4.7 ms (84 MB; the LM head alone 0.55 ms, ~32 GB/s,
-// about what the machine reads).
-//
-// x is given in the order these lanes read it (`PreparedRow`): per 64 values, the first 16 of
-// each run, then the last 16 of each run.
-struct PreparedRow {
-  std::vector<uint16_t> x;          // K bfloat16s, reordered
-  std::vector<float> group_sums;    // X[g], num_groups floats
-};
-
-static PreparedRow prepare_row(const uint16_t* x, int64_t K, int64_t group_size) {
-  PreparedRow row;
-  row.x.resize(K);
-  const int64_t num_groups = K / group_size;
-  row.group_sums.assign(num_groups, 0.0f);
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    std::copy(x + k, x + k + 16, row.x.begin() + k);
-    std::copy(x + k + 32, x + k + 48, row.x.begin() + k + 16);
-    std::copy(x + k + 16, x + k + 32, row.x.begin() + k + 32);
-    std::copy(x + k + 48, x + k + 64, row.x.begin() + k + 48);
-  }
-  std::copy(x + k, x + K, row.x.begin() + k);  // a last run of 32 keeps its order
-  for (int64_t g = 0; g < num_groups; ++g) {
-    float sum = 0.0f;
-    for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i)
-      sum += bfloat16_to_float(x[i]);
-    row.group_sums[g] = sum;
-  }
-  return row;
-}
-
-// bfloat16 bits of 0..15, twice (VPERMW indexes 32 words)
-static __m512i nibble_table() {
-  alignas(64) uint16_t table[32];
-  for (int i = 0; i < 32; ++i) {
-    const float value = static_cast<float>(i & 15);
-    uint32_t bits;
-    __builtin_memcpy(&bits, &value, sizeof bits);
-    table[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
-  }
-  return _mm512_load_si512(table);
-}
-
-// COLS output columns; `scales` and `mins` hold their groups' values as floats, num_groups a
-// column, followed by 16 floats of padding (read, never used); `table` is nibble_table().
-template <int COLS>
-static void gemv_4bit(const PreparedRow& row, const uint8_t* qrows, int64_t K, int64_t group_size,
-                      const float* scales, const float* mins, __m512i table, float* out) {
-  const int64_t num_groups = K / group_size;
-  const int64_t row_bytes = K / 2;
-  // lanes 0-7 take the scale of the first run's group, 8-15 the one of the second run's group,
-  // the next one where the group changes between the runs
-  const __m512i same_group = _mm512_setzero_si512();
-  const __m512i next_group = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc[COLS];
-  // the mins' part first: sum_g min[g] X[g], lane by lane
-  for (int c = 0; c < COLS; ++c) {
-    acc[c] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < num_groups; g += 16) {
-      const __mmask16 in_row = num_groups - g >= 16 ? 0xFFFF : (1u << (num_groups - g)) - 1;
-      acc[c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in_row, mins + c * num_groups + g),
-                               _mm512_maskz_loadu_ps(in_row, row.group_sums.data() + g), acc[c]);
-    }
-  }
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const __m512bh x_low = (__m512bh)_mm512_loadu_si512(row.x.data() + k);
-    const __m512bh x_high = (__m512bh)_mm512_loadu_si512(row.x.data() + k + 32);
-    const int64_t group = k / group_size;
-    const __m512i lane_group = (k + 32) / group_size == group ? same_group : next_group;
-    for (int c = 0; c < COLS; ++c) {
-      const uint8_t* bytes = qrows + c * row_bytes + k / 2;
-      __builtin_prefetch(bytes + 8 * COLS * row_bytes);  // one stream per column: read ahead
-      const __m512i words =
-          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
-      const __m512bh w_low = (__m512bh)_mm512_permutexvar_epi16(words, table);
-      const __m512bh w_high =
-          (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
-      __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), x_low, w_low);
-      dot = _mm512_dpbf16_ps(dot, x_high, w_high);
-      const __m512 lane_scales =
-          _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + c * num_groups + group));
-      acc[c] = _mm512_fmadd_ps(dot, lane_scales, acc[c]);
-    }
-  }
-  if (k < K) {  // a last run of 32: 16 bytes, in 256-bit halves
-    const __m256bh x_low =
-        (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.x.data() + k));
-    const __m256bh x_high =
-        (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.x.data() + k + 16));
-    for (int c = 0; c < COLS; ++c) {
-      const __m512i words = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrows + c * row_bytes + k / 2))));
-      const __m256bh w_low =
-          (__m256bh)_mm512_castsi512_si256(_mm512_permutexvar_epi16(words, table));
-      const __m256bh w_high = (__m256bh)_mm512_castsi512_si256(
-          _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table));
-      __m256 dot = _mm256_dpbf16_ps(_mm256_setzero_ps(), x_low, w_low);
-      dot = _mm256_dpbf16_ps(dot, x_high, w_high);
-      const __m256 scale = _mm256_set1_ps(scales[c * num_groups + k / group_size]);
-      acc[c] = _mm512_add_ps(acc[c], _mm512_castps256_ps512(_mm256_mul_ps(dot, scale)));
-    }
-  }
-  for (int c = 0; c < COLS; ++c) out[c] = _mm512_reduce_add_ps(acc[c]);
-}
-
-// Output columns [col_begin, col_end) of one bfloat16 row times a 4-bit weight. `buffer` holds
-// 8 * num_groups + 32 floats.
-static void gemv_4bit_columns(const PreparedRow& row, int64_t K, const uint8_t* qweight,
-                              const uint16_t* scales, const uint16_t* mins, int64_t group_size,
-                              int64_t col_begin, int64_t col_end, float* buffer, float* out) {
-  const int64_t num_groups = K / group_size;
-  float* tile_scales = buffer;                        // 4 columns' scales, + 16
-  float* tile_mins = tile_scales + 4 * num_groups + 16;  // 4 columns' mins, + 16
-  const __m512i table = nibble_table();
-  for (int64_t n = col_begin; n < col_end; n += 4) {
-    const int cols = static_cast<int>(std::min<int64_t>(4, col_end - n));
-    // a tile's scales (and mins) lie next to each other: [N, num_groups]
-    splitfuse_avx512::halves_to_floats(scales + n * num_groups, cols * num_groups, tile_scales);
-    splitfuse_avx512::halves_to_floats(mins + n * num_groups, cols * num_groups, tile_mins);
-    const uint8_t* q = qweight + n * (K / 2);
-    float* o = out + n;
-    switch (cols) {
-      case 4: gemv_4bit<4>(row, q, K, group_size, tile_scales, tile_mins, table, o); break;
-      case 3: gemv_4bit<3>(row, q, K, group_size, tile_scales, tile_mins, table, o); break;
-      case 2: gemv_4bit<2>(row, q, K, group_size, tile_scales, tile_mins, table, o); break;
-      default: gemv_4bit<1>(row, q, K, group_size, tile_scales, tile_mins, table, o); break;
-    }
-  }
-}
-
 }  // namespace splitfuse_avx512_bf16
 #pragma GCC pop_options
 
@@ -371,7 +190,6 @@ static inline float lane_sum(vfloat v) { return (v[0] + v[2]) + (v[1] + v[3]); }
 static inline void halves_to_floats(const uint16_t* in, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(in[i]);
 }
-static inline vint load_u8(const uint8_t* p) { return (vint){p[0], p[1], p[2], p[3]}; }
 static inline vint load_s8(const int8_t* p) { return (vint){p[0], p[1], p[2], p[3]}; }
 #include "quant_linear_body.h"
 #undef SF_LANES
@@ -380,8 +198,8 @@ static inline vint load_s8(const int8_t* p) { return (vint){p[0], p[1], p[2], p[
 
 namespace {
 
-using ColumnsFn = void (*)(const float*, int64_t, int64_t, int64_t, const void*, const uint16_t*,
-                           const uint16_t*, int, int64_t, int64_t, int64_t, float*, float*);
+using ColumnsFn = void (*)(const float*, int64_t, int64_t, int64_t, const int8_t*,
+                           const uint16_t*, int64_t, int64_t, int64_t, float*, float*);
 
 // The widest body the CPU runs; SPLITFUSE_CPU_ISA=avx2 or sse2 asks for a narrower one (tests
 // run every body on one machine).
@@ -412,62 +230,41 @@ std::string instruction_set() {
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group_size) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
+                        int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x must be a contiguous float32 or bfloat16 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
               "quant_linear: group_size ", group_size, " must be a multiple of 32 dividing K=", K);
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
-                  qweight.size(1) == (bits == 4 ? K / 2 : K) &&
-                  qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              "quant_linear: qweight must be contiguous ",
-              bits == 4 ? "uint8 [N, K/2]" : "int8 [N, K]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.size(1) == K &&
+                  qweight.scalar_type() == at::kChar,
+              "quant_linear: qweight must be contiguous int8 [N, K] (8-bit weights)");
   const int64_t num_groups = K / group_size;
-  auto check_scales = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 2 &&
-                    t.size(0) == N && t.size(1) == num_groups,
-                "quant_linear: ", name, " must be contiguous float16 [N, K/group_size]");
-  };
-  check_scales(scales, "scales");
-  TORCH_CHECK(bits == 8 || mins.has_value(), "quant_linear: 4-bit weights need mins");
-  if (bits == 4) check_scales(*mins, "mins");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == num_groups,
+              "quant_linear: scales must be contiguous float16 [N, K/group_size]");
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quant_linear: CPU tensors only");
 
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
-  const void* q_ptr = qweight.data_ptr();
+  const int8_t* q_ptr = qweight.data_ptr<int8_t>();
   const auto* s_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* m_ptr =
-      bits == 4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
   float* out_ptr = out.data_ptr<float>();
   // Threads share the output columns in whole tiles of 4 (a tile's rows are dequantized once).
   const int64_t num_tiles = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
-  if (x.scalar_type() == at::kBFloat16 && M == 1 && bits == 4 && bf16_dot) {
-    const splitfuse_avx512_bf16::PreparedRow row = splitfuse_avx512_bf16::prepare_row(
-        reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), K, group_size);
-    at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> buffer(8 * num_groups + 32);
-      splitfuse_avx512_bf16::gemv_4bit_columns(row, K, static_cast<const uint8_t*>(q_ptr), s_ptr,
-                                               m_ptr, group_size, begin * 4,
-                                               std::min(end * 4, N), buffer.data(), out_ptr);
-    });
-    return out;
-  }
   if (x.scalar_type() == at::kBFloat16 && M > 1 && bf16_dot) {
     const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> buffer(K + 2 * num_groups);
+      std::vector<float> buffer(K + num_groups);
       // uninitialized: every element is written before it is read (a zeroed vector cleared
       // up to 768 KB a call, ~2% of a 32-row step's products)
       const auto weights =
           std::make_unique_for_overwrite<uint16_t[]>(splitfuse_avx512_bf16::kChunk * K);
-      splitfuse_avx512_bf16::quant_linear_columns(
-          x_ptr, M, K, N, q_ptr, s_ptr, m_ptr, static_cast<int>(bits), group_size, begin * 4,
-          std::min(end * 4, N), buffer.data(), weights.get(), out_ptr);
+      splitfuse_avx512_bf16::quant_linear_columns(x_ptr, M, K, N, q_ptr, s_ptr, group_size,
+                                                  begin * 4, std::min(end * 4, N), buffer.data(),
+                                                  weights.get(), out_ptr);
     });
     return out;
   }
@@ -475,9 +272,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const at::Tensor x_float = x.to(at::kFloat).contiguous();
   const float* x_ptr = x_float.data_ptr<float>();
   at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(4 * (K + 2 * num_groups));
-    columns_fn(x_ptr, M, K, N, q_ptr, s_ptr, m_ptr, static_cast<int>(bits), group_size, begin * 4,
-               std::min(end * 4, N), buffer.data(), out_ptr);
+    std::vector<float> buffer(4 * (K + num_groups));
+    columns_fn(x_ptr, M, K, N, q_ptr, s_ptr, group_size, begin * 4, std::min(end * 4, N),
+               buffer.data(), out_ptr);
   });
   return out;
 }
@@ -485,8 +282,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 }  // namespace
 
 TORCH_LIBRARY(splitfuse_cpu, m) {
-  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
-        "int group_size) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor");
   m.def("instruction_set() -> str", [] { return instruction_set(); });
 }
 

@@ -1,9 +1,9 @@
-// The body of the weight-only quantized product, compiled once per instruction set: the including
+// The body of the 8-bit weight-only quantized product, compiled once per instruction set: the including
 // file wraps it in `#pragma GCC target` and a namespace of its own, and defines SF_LANES (floats
 // per vector), SF_ROW_TILE (rows of x per micro-kernel call), the vector types vfloat and vint
 // (SF_LANES floats / int32s), lane_sum (the sum of a vfloat's lanes), halves_to_floats (n
-// float16s as floats) and load_u8 / load_s8 (SF_LANES bytes widened to a vint: a plain vector
-// conversion of bytes compiles to scalar code). The rest is GCC vector extensions, so one source
+// float16s as floats) and load_s8 (SF_LANES bytes widened to a vint: a plain vector conversion
+// of bytes compiles to scalar code). The rest is GCC vector extensions, so one source
 // becomes AVX-512, AVX2 or SSE2 code.
 
 static inline vfloat load(const float* p) {
@@ -13,25 +13,6 @@ static inline vfloat load(const float* p) {
 }
 
 static inline void store(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof v); }
-
-// Row n of a 4-bit weight as floats: out[k] = scale[k / G] * q[k] + min[k / G].
-static void dequantize_row_4bit(const uint8_t* qrow, const float* scales, const float* mins,
-                                int64_t K, int64_t group_size, float* out) {
-  for (int64_t g = 0; g < K / group_size; ++g) {
-    const vfloat scale = scales[g] - (vfloat){};
-    const vfloat min = mins[g] - (vfloat){};
-    for (int64_t run = g * group_size; run < (g + 1) * group_size; run += 32) {
-      const uint8_t* bytes = qrow + run / 2;
-      for (int j = 0; j < 16; j += SF_LANES) {
-        const vint b = load_u8(bytes + j);
-        const vfloat low = __builtin_convertvector(b & 15, vfloat);
-        const vfloat high = __builtin_convertvector(b >> 4, vfloat);
-        store(out + run + j, low * scale + min);
-        store(out + run + 16 + j, high * scale + min);
-      }
-    }
-  }
-}
 
 // Row n of an 8-bit weight as floats: out[k] = scale[k / G] * q[k].
 static void dequantize_row_8bit(const int8_t* qrow, const float* scales, int64_t K,
@@ -63,38 +44,9 @@ static void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t K,
     for (int c = 0; c < COLS; ++c) out[r * ldo + c] = lane_sum(acc[r][c]);
 }
 
-// One row of x (a single decoding stream, an LM head on one row): the weights are dequantized
-// in registers and multiplied at once, COLS output columns interleaved so that the sums do not
-// wait on one another. x [K]; scales and mins as floats, COLS x num_groups.
-template <int COLS>
-static void gemv_4bit(const float* x, const uint8_t* qrows, int64_t K, int64_t group_size,
-                      const float* scales, const float* mins, float* out) {
-  const int64_t num_groups = K / group_size;
-  vfloat low_acc[COLS], high_acc[COLS];
-  for (int c = 0; c < COLS; ++c) low_acc[c] = high_acc[c] = (vfloat){};
-  for (int64_t g = 0; g < num_groups; ++g) {
-    vfloat scale[COLS], min[COLS];
-    for (int c = 0; c < COLS; ++c) {
-      scale[c] = scales[c * num_groups + g] - (vfloat){};
-      min[c] = mins[c * num_groups + g] - (vfloat){};
-    }
-    for (int64_t run = g * group_size; run < (g + 1) * group_size; run += 32) {
-      for (int c = 0; c < COLS; ++c)
-        __builtin_prefetch(qrows + (8 * COLS + c) * (K / 2) + run / 2);  // as in gemv_8bit
-      for (int j = 0; j < 16; j += SF_LANES) {
-        const vfloat x_low = load(x + run + j);
-        const vfloat x_high = load(x + run + 16 + j);
-        for (int c = 0; c < COLS; ++c) {
-          const vint b = load_u8(qrows + c * (K / 2) + run / 2 + j);
-          low_acc[c] += (__builtin_convertvector(b & 15, vfloat) * scale[c] + min[c]) * x_low;
-          high_acc[c] += (__builtin_convertvector(b >> 4, vfloat) * scale[c] + min[c]) * x_high;
-        }
-      }
-    }
-  }
-  for (int c = 0; c < COLS; ++c) out[c] = lane_sum(low_acc[c] + high_acc[c]);
-}
-
+// One row of x (a single decoding stream, an LM head on one row): the weight is dequantized in
+// registers and multiplied at once, COLS output columns interleaved so that the sums do not wait
+// on one another. x [K]; scales as floats, COLS x num_groups.
 template <int COLS>
 static void gemv_8bit(const float* x, const int8_t* qrows, int64_t K, int64_t group_size,
                       const float* scales, float* out) {
@@ -109,8 +61,7 @@ static void gemv_8bit(const float* x, const int8_t* qrows, int64_t K, int64_t gr
       // 8 tiles ahead: one stream per column defeats the hardware prefetcher (an int8 LM head
       // 49152 x 576, one thread: 5.2 -> 1.9 ms). Into the L2 cache, not the L1 (locality 2):
       // the L1's few outstanding misses limited the stream on an AMD EPYC (the same LM head,
-      // cold caches, one thread: 3.6 -> 2.0 ms; two: 1.8 -> 1.0-1.3 ms). The 4-bit products
-      // below are bound by their arithmetic there, and the hint changed nothing for them.
+      // cold caches, one thread: 3.6 -> 2.0 ms; two: 1.8 -> 1.0-1.3 ms).
       for (int c = 0; c < COLS; ++c) __builtin_prefetch(qrows + (8 * COLS + c) * K + k, 0, 2);
       for (int half = 0; half < 2; ++half) {
         const vfloat xv = load(x + k + half * SF_LANES);
@@ -146,63 +97,31 @@ static void all_rows(const float* x, int64_t M, int64_t K, const float* w, float
 
 constexpr int kColTile = 4;  // weight rows dequantized together and multiplied as one tile
 
-template <int COLS>
-static void gemv_columns(const float* x, int64_t K, const void* qweight, int bits,
-                         int64_t group_size, int64_t n, const float* scales, const float* mins,
-                         float* out) {
-  if (bits == 4)
-    gemv_4bit<COLS>(x, static_cast<const uint8_t*>(qweight) + n * (K / 2), K, group_size,
-                    scales, mins, out + n);
-  else
-    gemv_8bit<COLS>(x, static_cast<const int8_t*>(qweight) + n * K, K, group_size, scales,
-                    out + n);
-}
-
 // Output columns [col_begin, col_end) of out [M, N] = x [M, K] @ dequantized(weight)^T, using
-// `buffer` (kColTile * (K + 2 * K / group_size) floats) for the dequantized rows and their
-// scales.
-// scales and mins are float16 bits, [N, K / group_size] each (mins only for 4 bits).
+// `buffer` (kColTile * (K + K / group_size) floats) for the dequantized rows and their scales.
+// scales are float16 bits, [N, K / group_size].
 static void quant_linear_columns(const float* x, int64_t M, int64_t K, int64_t N,
-                                 const void* qweight, const uint16_t* scales,
-                                 const uint16_t* mins, int bits, int64_t group_size,
+                                 const int8_t* qweight, const uint16_t* scales, int64_t group_size,
                                  int64_t col_begin, int64_t col_end, float* buffer, float* out) {
   const int64_t num_groups = K / group_size;
   float* col_scales = buffer + kColTile * K;  // kColTile x num_groups
-  float* col_mins = col_scales + kColTile * num_groups;
   for (int64_t n = col_begin; n < col_end; n += kColTile) {
     const int cols = static_cast<int>(col_end - n < kColTile ? col_end - n : kColTile);
-    for (int c = 0; c < cols; ++c) {
+    for (int c = 0; c < cols; ++c)
       halves_to_floats(scales + (n + c) * num_groups, num_groups, col_scales + c * num_groups);
-      if (bits == 4)
-        halves_to_floats(mins + (n + c) * num_groups, num_groups, col_mins + c * num_groups);
-    }
     if (M == 1) {
+      const int8_t* q = qweight + n * K;
       switch (cols) {
-        case 4:
-          gemv_columns<4>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out);
-          break;
-        case 3:
-          gemv_columns<3>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out);
-          break;
-        case 2:
-          gemv_columns<2>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out);
-          break;
-        default:
-          gemv_columns<1>(x, K, qweight, bits, group_size, n, col_scales, col_mins, out);
-          break;
+        case 4: gemv_8bit<4>(x, q, K, group_size, col_scales, out + n); break;
+        case 3: gemv_8bit<3>(x, q, K, group_size, col_scales, out + n); break;
+        case 2: gemv_8bit<2>(x, q, K, group_size, col_scales, out + n); break;
+        default: gemv_8bit<1>(x, q, K, group_size, col_scales, out + n); break;
       }
       continue;
     }
-    for (int c = 0; c < cols; ++c) {
-      const int64_t row = n + c;
-      if (bits == 4)
-        dequantize_row_4bit(static_cast<const uint8_t*>(qweight) + row * (K / 2),
-                            col_scales + c * num_groups, col_mins + c * num_groups, K,
-                            group_size, buffer + c * K);
-      else
-        dequantize_row_8bit(static_cast<const int8_t*>(qweight) + row * K,
-                            col_scales + c * num_groups, K, group_size, buffer + c * K);
-    }
+    for (int c = 0; c < cols; ++c)
+      dequantize_row_8bit(qweight + (n + c) * K, col_scales + c * num_groups, K, group_size,
+                          buffer + c * K);
     switch (cols) {
       case 4: all_rows<4>(x, M, K, buffer, out + n, N); break;
       case 3: all_rows<3>(x, M, K, buffer, out + n, N); break;

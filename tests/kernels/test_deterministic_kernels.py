@@ -20,6 +20,7 @@ from engine.deterministic_rows import TILE_ROWS, at_least_two_rows, fixed_tiles
 from engine.layers import ColumnParallelLinear
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.quantization import quantize
+from tests.kernels.test_quant_linear import product as quantized_product
 from kernels import AttentionMetadata, get_backend
 from kernels.cpu_ops import has_fixed_order_attention
 from kernels.torch_backend import TorchBackend
@@ -64,9 +65,7 @@ def test_quantized_product_rows_do_not_depend_on_the_batch(bits, dtype):
     quantized = quantize(torch.randn(768, 576) * 0.05, bits, 32)
 
     def product(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.splitfuse_cpu.quant_linear(
-            x.contiguous(), quantized.qweight, quantized.scales, quantized.mins, bits, 32
-        )
+        return quantized_product(x.contiguous(), quantized)
 
     _assert_rows_invariant(product, 576, dtype, seed=2)
 

@@ -1,10 +1,17 @@
-"""Weight-only quantization: the layouts against float references, the C++ product
-``splitfuse_cpu::quant_linear`` against ``F.linear`` on the dequantized weight (every instruction
-set the machine runs, row counts 1, 7, 64, 300), and GGUF blocks decoded as the ``gguf`` package
-decodes them.
+"""Weight-only quantization: the layouts against float references, the C++ products against
+PyTorch references (every instruction set the machine runs, row counts 1, 7, 64, 300), and GGUF
+blocks decoded as the ``gguf`` package decodes them.
 
-Tolerance of the product: the weight is exactly the dequantized one, only the order of the float32
-sums differs, so the error is float32 rounding: relative 1e-5 of the largest output."""
+8 bits (``quant_linear``): the weight is exactly the dequantized one and only the order of the
+float32 sums differs from ``F.linear`` in float64, so the error is float32 rounding: relative 1e-5
+of the largest output.
+
+4 bits (``int4_linear``): x is rounded to int8 in runs of 32 first. Against the reference that
+rounds it the same way (``int4_linear_reference``) the error is float32 rounding again (1e-5).
+Against ``F.linear`` on x itself, each x value is off by at most half its run's step d, so an
+output is off by at most sum_k |w[n, k]| d[m, run(k)] / 2 (plus the float32 rounding): the bound
+the products are held to.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +27,13 @@ import torch.nn.functional as F
 from engine.device import cpu_flags
 from engine.gguf_quantized import decode_blocks
 from engine.quantization import (
+    PackedInt4,
     QuantizedTensor,
     dequantize_groups,
+    int4_linear_reference,
     pack_4bit,
     quantize,
+    quantize_activations,
     unpack_4bit,
 )
 from kernels.cpu_ops import load
@@ -68,35 +78,57 @@ def test_a_quantized_tensor_is_sharded_by_rows_and_by_whole_groups_of_columns():
     assert torch.equal(holder.dequantize()[4:8], full[0:4])
 
 
+def product(x: torch.Tensor, quantized: QuantizedTensor) -> torch.Tensor:
+    """The C++ product the engine runs for this weight."""
+    if quantized.bits == 8:
+        return torch.ops.splitfuse_cpu.quant_linear(
+            x, quantized.qweight, quantized.scales, quantized.group_size
+        )
+    packed = PackedInt4.pack(quantized)
+    return torch.ops.splitfuse_cpu.int4_linear(
+        x, packed.packed, packed.scales, packed.mins, packed.out_features, packed.group_size
+    )
+
+
+def assert_int4_product(got: torch.Tensor, x: torch.Tensor, quantized: QuantizedTensor) -> None:
+    want = int4_linear_reference(x, PackedInt4.pack(quantized)).double()
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    # against x itself: each value off by at most half its run's step
+    _, step = quantize_activations(x)
+    weight = quantized.dequantize().double()
+    half_steps = step.double().repeat_interleave(32, dim=1) / 2  # [M, K]
+    bound = half_steps @ weight.abs().t()
+    exact = F.linear(x.double(), weight)
+    assert ((got.double() - exact).abs() <= bound + 1e-5 * exact.abs().max()).all()
+
+
 @pytest.mark.parametrize("bits,group_size", LAYOUTS)
 @pytest.mark.parametrize("num_rows", [1, 7, 64, 300])
 def test_the_product_equals_linear_on_the_dequantized_weight(bits, group_size, num_rows):
     load()
     torch.manual_seed(num_rows)
-    num_out, num_in = 45, 256  # 45: a last tile of one output column
+    num_out, num_in = 45, 256  # 45: a last tile of one output column, a last block of 13
     quantized = quantize(torch.randn(num_out, num_in), bits, group_size or num_in)
     x = torch.randn(num_rows, num_in)
-    got = torch.ops.splitfuse_cpu.quant_linear(
-        x, quantized.qweight, quantized.scales, quantized.mins, bits, quantized.group_size
-    )
-    want = F.linear(x.double(), quantized.dequantize().double())
+    got = product(x, quantized)
     assert got.dtype == torch.float32 and got.shape == (num_rows, num_out)
+    if bits == 4:
+        assert_int4_product(got, x, quantized)
+        return
+    want = F.linear(x.double(), quantized.dequantize().double())
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("num_rows", [1, 7, 64])
-def test_bfloat16_rows_multiply_the_bfloat16_rounded_weight_or_the_exact_one(bits, num_rows):
-    """One row: the exact weight in float32. More rows where the CPU multiplies bfloat16 in
-    hardware: the weight rounded to bfloat16, as a bfloat16 copy of the float weight holds it;
+def test_bfloat16_rows_multiply_the_bfloat16_rounded_weight_or_the_exact_one(num_rows):
+    """8 bits. One row: the exact weight in float32. More rows where the CPU multiplies bfloat16
+    in hardware: the weight rounded to bfloat16, as a bfloat16 copy of the float weight holds it;
     elsewhere the exact weight."""
     kind = load()
     torch.manual_seed(num_rows)
-    quantized = quantize(torch.randn(45, 256), bits, 32)
+    quantized = quantize(torch.randn(45, 256), 8, 32)
     x = torch.randn(num_rows, 256).bfloat16()
-    got = torch.ops.splitfuse_cpu.quant_linear(
-        x, quantized.qweight, quantized.scales, quantized.mins, bits, 32
-    )
+    got = product(x, quantized)
     weight = quantized.dequantize()
     if kind == "avx512_bf16" and num_rows > 1:
         weight = weight.bfloat16()
@@ -109,67 +141,109 @@ def test_bfloat16_rows_multiply_the_bfloat16_rounded_weight_or_the_exact_one(bit
     "num_in,group_size",
     [(576, 32), (160, 32), (32, 32), (256, 64), (192, 96), (384, 128)],
 )
-def test_one_bfloat16_row_takes_scales_and_mins_out_of_the_sums(num_in, group_size):
-    """Where the CPU multiplies bfloat16 in hardware, one bfloat16 row sums x q per run of 32
-    and applies the scales and mins afterwards: the exact weight, float32 rounding. The shapes
-    cover a last run of 32 outside the steps of 64 (160, 32), groups that change between the
-    two runs of a step or not (96, 64, 128) and a last tile of one column (45)."""
+@pytest.mark.parametrize("num_rows", [1, 5])
+def test_4bit_products_of_bfloat16_rows_and_any_group_size(num_in, group_size, num_rows):
+    """bfloat16 rows are rounded as their float32 values (exact) are. Groups of one to four runs
+    of 32, one that is not a power of two (96), a single run (32); large x too (1e3)."""
     load()
     torch.manual_seed(num_in + group_size)
     quantized = quantize(torch.randn(45, num_in) * 0.1, 4, group_size)
-    for scale in (1.0, 1e3):  # large x: the scale and min parts cancel more
-        x = (torch.randn(1, num_in) * scale).bfloat16()
-        got = torch.ops.splitfuse_cpu.quant_linear(
-            x, quantized.qweight, quantized.scales, quantized.mins, 4, group_size
-        )
-        want = F.linear(x.double(), quantized.dequantize().double())
-        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for scale in (1.0, 1e3):
+        x = (torch.randn(num_rows, num_in) * scale).bfloat16()
+        assert_int4_product(product(x, quantized), x.float(), quantized)
 
 
-def test_the_product_refuses_what_it_cannot_read():
+def test_packing_4bit_weights_for_integer_dot_products_keeps_their_numbers():
+    for num_rows, num_cols, group_size in [(45, 256, 32), (16, 64, 64), (3, 96, 96), (50, 128, 128)]:
+        quantized = quantize(torch.randn(num_rows, num_cols), 4, group_size)
+        packed = PackedInt4.pack(quantized)
+        blocks = -(-num_rows // 16)
+        assert packed.packed.shape == (blocks, num_cols * 8)
+        assert packed.scales.shape == (blocks, num_cols // group_size, 16)
+        back = packed.unpack()
+        assert torch.equal(back.qweight, quantized.qweight)
+        assert torch.equal(back.scales, quantized.scales)
+        assert torch.equal(back.mins, quantized.mins)
+    # step s, column c: values 8 s + 0..3 in the low nibbles, 8 s + 4..7 in the high ones
+    q = (torch.arange(16)[:, None] + torch.arange(32)[None, :]).remainder(16)
+    packed = PackedInt4.pack(QuantizedTensor(pack_4bit(q), *[torch.ones(16, 1).half()] * 2, 4, 32))
+    step = packed.packed[0, 64:128].reshape(16, 4)  # step 1
+    assert torch.equal(step & 15, q[:, 8:12].to(torch.uint8))
+    assert torch.equal(step >> 4, q[:, 12:16].to(torch.uint8))
+
+
+def test_activations_round_to_int8_in_runs_of_32():
+    x = torch.randn(3, 96) * torch.tensor([1e-3, 1.0, 1e3])[:, None]
+    x[1, 32:64] = 0.0  # an all-zero run
+    q, step = quantize_activations(x)
+    assert q.dtype == torch.int8 and step.shape == (3, 3)
+    assert q.abs().max() <= 127 and torch.equal(q[1, 32:64], torch.zeros(32, dtype=torch.int8))
+    restored = q.float().reshape(3, 3, 32) * step[:, :, None]
+    error = (restored.reshape(3, 96) - x).abs()
+    assert (error <= step.repeat_interleave(32, dim=1) / 2 * (1 + 1e-6)).all()
+    # the largest value of a run is exactly +-127 steps; ties round to even
+    assert (q.reshape(3, 3, 32).abs().amax(dim=2)[step > 0] == 127).all()
+    ties = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5] + [0.0] * 27])
+    assert quantize_activations(ties)[0][0, :5].tolist() == [127, 0, 2, 2, 0]
+
+
+def test_the_products_refuse_what_they_cannot_read():
     load()
-    quantized = quantize(torch.randn(8, 64), 4, 32)
+    quantized = quantize(torch.randn(8, 64), 8, 32)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="group_size"):
-        torch.ops.splitfuse_cpu.quant_linear(
-            x, quantized.qweight, quantized.scales, quantized.mins, 4, 48
-        )
-    with pytest.raises(RuntimeError, match="4-bit weights need mins"):
-        torch.ops.splitfuse_cpu.quant_linear(x, quantized.qweight, quantized.scales, None, 4, 32)
+        torch.ops.splitfuse_cpu.quant_linear(x, quantized.qweight, quantized.scales, 48)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        torch.ops.splitfuse_cpu.quant_linear(
-            x.double(), quantized.qweight, quantized.scales, quantized.mins, 4, 32
-        )
+        torch.ops.splitfuse_cpu.quant_linear(x.double(), quantized.qweight, quantized.scales, 32)
+    packed = PackedInt4.pack(quantize(torch.randn(8, 64), 4, 32))
+    args = packed.packed, packed.scales, packed.mins
+    with pytest.raises(RuntimeError, match="8-bit"):
+        torch.ops.splitfuse_cpu.quant_linear(x, packed.packed, quantized.scales, 32)
+    with pytest.raises(RuntimeError, match="group_size"):
+        torch.ops.splitfuse_cpu.int4_linear(x, *args, 8, 48)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        torch.ops.splitfuse_cpu.int4_linear(x, *args, 17, 32)  # two blocks' worth of columns
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.splitfuse_cpu.int4_linear(x.double(), *args, 8, 32)
 
 
 _NARROWER_CHECK = """
 import torch, torch.nn.functional as F
 from engine.quantization import quantize
 from kernels.cpu_ops import load
+from tests.kernels.test_quant_linear import assert_int4_product, product
 kind = load()
-for bits, size in [(4, 32), (8, 64), (8, 128)]:
+for bits, size in [(4, 32), (4, 64), (8, 64), (8, 128)]:
     for rows in (1, 3, 7, 64):
         q = quantize(torch.randn(37, 128), bits, size)
         x = torch.randn(rows, 128)
-        got = torch.ops.splitfuse_cpu.quant_linear(x, q.qweight, q.scales, q.mins, bits, size)
+        got = product(x, q)
+        if bits == 4:
+            assert_int4_product(got, x, q)
+            continue
         want = F.linear(x.double(), q.dequantize().double())
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (bits, size, rows)
-print(kind)
+print(kind, torch.ops.splitfuse_cpu.int4_instruction_set())
 """
 
 
-@pytest.mark.parametrize("isa", ["avx2", "sse2"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "sse2"])
 def test_the_narrower_instruction_sets_compute_the_same(isa):
+    """SPLITFUSE_CPU_ISA=avx512 leaves VNNI out of the 4-bit product (the 8-bit one runs as
+    without the variable)."""
     if load() == "torch":
         pytest.skip("the C++ product is not built here")
-    if isa == "avx2" and "avx2" not in cpu_flags():
-        pytest.skip("this CPU has no AVX2")
+    if isa not in cpu_flags() and not (isa == "avx512" and "avx512bw" in cpu_flags()):
+        pytest.skip(f"this CPU has no {isa.upper()}")
     env = {**os.environ, "SPLITFUSE_CPU_ISA": isa}
     result = subprocess.run(
         [sys.executable, "-c", _NARROWER_CHECK], env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == isa
+    kind, int4_kind = result.stdout.split()
+    assert int4_kind == isa
+    if isa != "avx512":
+        assert kind == isa
 
 
 def _gguf_blocks(type_name: str, values: np.ndarray) -> np.ndarray:

@@ -1,0 +1,241 @@
+// splitfuse_cpu::int4_linear: x [M, K] (float32 or bfloat16) times a 4-bit weight packed for
+// integer dot products (engine/quantization.py, pack_int4_blocks), out [M, N] float32.
+//
+// x is quantized first, per row and run of 32 values, to int8 with one float scale (as
+// llama.cpp's Q8 blocks do for its 4-bit dot products); then each run of 32 multiplies the
+// weight's 4-bit values (0..15) in int32 sums, and the weight's group scale and min apply once
+// per run:
+//   out[m, n] = sum_runs  scale_w[n, g] * d_x[m, run] * (sum_k q_w[n, k] q_x[m, k])
+//                       + min_w[n, g] * s_x[m, run]                    (s_x = d_x * sum_k q_x)
+// The weight is exactly the quantized one; x carries int8 rounding (relative error at most
+// 1/254 of its run's largest value). With VNNI, VPDPBUSD adds 4 byte products per lane: one
+// instruction for 64 multiply-adds, against 32 for VDPBF16PS on bfloat16 and 16 for float32
+// FMAs, and the 4-bit bytes are read as they lie (a mask and a shift).
+//
+// Packed weight [ceil(N / 16), K * 8] uint8: blocks of 16 output columns, each K / 8 steps of 64
+// bytes (int4_linear_body.h); scales and mins [ceil(N / 16), K / group_size, 16] float16. Threads
+// share the blocks; a block's bytes are one sequential stream.
+// The body is compiled for AVX-512 with VNNI, AVX-512, AVX2 and SSE2; the widest one the CPU
+// runs is picked once (SPLITFUSE_CPU_ISA=avx512, avx2 or sse2 asks for a narrower one).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "float16_bits.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512vnni")
+namespace int4_avx512_vnni {
+#define SF_LANES 16
+#define SF_ROW_TILE 4
+#define SF_COL_BLOCKS 2
+#define SF_ONE_ROW_BLOCKS 4
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef float vfloat __attribute__((vector_size(64)));
+typedef uint8_t vbyte __attribute__((vector_size(64)));
+static inline vint dot4(vint acc, vbyte w, int32_t x) {
+  return (vint)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x));
+}
+static inline vfloat load_halves(const uint16_t* p) {
+  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline vint round_even(vfloat v) { return (vint)_mm512_cvtps_epi32((__m512)v); }
+#include "int4_linear_body.h"
+#undef SF_LANES
+#undef SF_ROW_TILE
+#undef SF_COL_BLOCKS
+#undef SF_ONE_ROW_BLOCKS
+}  // namespace int4_avx512_vnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+namespace int4_avx512 {
+#define SF_LANES 16
+#define SF_ROW_TILE 4
+#define SF_COL_BLOCKS 2
+#define SF_ONE_ROW_BLOCKS 4
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef float vfloat __attribute__((vector_size(64)));
+typedef uint8_t vbyte __attribute__((vector_size(64)));
+// without VNNI: pairs of byte products in int16 (at most 2 * 15 * 127: no saturation), then
+// pairs of those in int32
+static inline vint dot4(vint acc, vbyte w, int32_t x) {
+  const __m512i pairs = _mm512_maddubs_epi16((__m512i)w, _mm512_set1_epi32(x));
+  return acc + (vint)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+}
+static inline vfloat load_halves(const uint16_t* p) {
+  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline vint round_even(vfloat v) { return (vint)_mm512_cvtps_epi32((__m512)v); }
+#include "int4_linear_body.h"
+#undef SF_LANES
+#undef SF_ROW_TILE
+#undef SF_COL_BLOCKS
+#undef SF_ONE_ROW_BLOCKS
+}  // namespace int4_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace int4_avx2 {
+#define SF_LANES 8
+#define SF_ROW_TILE 2
+#define SF_COL_BLOCKS 1
+#define SF_ONE_ROW_BLOCKS 2
+typedef int32_t vint __attribute__((vector_size(32)));
+typedef float vfloat __attribute__((vector_size(32)));
+typedef uint8_t vbyte __attribute__((vector_size(32)));
+static inline vint dot4(vint acc, vbyte w, int32_t x) {
+  const __m256i pairs = _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(x));
+  return acc + (vint)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+static inline vfloat load_halves(const uint16_t* p) {
+  return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vint round_even(vfloat v) { return (vint)_mm256_cvtps_epi32((__m256)v); }
+#include "int4_linear_body.h"
+#undef SF_LANES
+#undef SF_ROW_TILE
+#undef SF_COL_BLOCKS
+#undef SF_ONE_ROW_BLOCKS
+}  // namespace int4_avx2
+#pragma GCC pop_options
+
+namespace int4_sse2 {
+#define SF_LANES 4
+#define SF_ROW_TILE 2
+#define SF_COL_BLOCKS 1
+#define SF_ONE_ROW_BLOCKS 1
+typedef int32_t vint __attribute__((vector_size(16)));
+typedef float vfloat __attribute__((vector_size(16)));
+typedef uint8_t vbyte __attribute__((vector_size(16)));
+static inline vint dot4(vint acc, vbyte w, int32_t x) {
+  int8_t xs[4];
+  __builtin_memcpy(xs, &x, sizeof xs);
+  for (int lane = 0; lane < 4; ++lane)
+    for (int j = 0; j < 4; ++j) acc[lane] += w[4 * lane + j] * xs[j];
+  return acc;
+}
+static inline vfloat load_halves(const uint16_t* p) {
+  return (vfloat){half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]),
+                  half_to_float(p[3])};
+}
+static inline vint round_even(vfloat v) { return (vint)_mm_cvtps_epi32((__m128)v); }
+#include "int4_linear_body.h"
+#undef SF_LANES
+#undef SF_ROW_TILE
+#undef SF_COL_BLOCKS
+#undef SF_ONE_ROW_BLOCKS
+}  // namespace int4_sse2
+
+namespace {
+
+struct Int4Kernels {
+  const char* name;
+  void (*quantize_floats)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*);
+  void (*quantize_bf16)(const uint16_t*, int64_t, int64_t, int64_t, int8_t*, float*, float*);
+  void (*columns)(const int8_t*, const float*, const float*, int64_t, int64_t, int64_t,
+                  const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t,
+                  float*, float*);
+};
+
+#define SF_KERNELS(ns, label)                                                                \
+  Int4Kernels {                                                                              \
+    label, ns::quantize_rows<float>, ns::quantize_rows<uint16_t>, ns::int4_columns           \
+  }
+
+// The widest body the CPU runs; SPLITFUSE_CPU_ISA=avx512 (no VNNI), avx2 or sse2 asks for a
+// narrower one (tests run every body on one machine).
+Int4Kernels pick_kernels() {
+  __builtin_cpu_init();
+  const char* asked = std::getenv("SPLITFUSE_CPU_ISA");
+  const std::string limit = asked == nullptr ? "" : asked;
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (limit != "sse2" && limit != "avx2" && limit != "avx512" && avx512 &&
+      __builtin_cpu_supports("avx512vnni"))
+    return SF_KERNELS(int4_avx512_vnni, "avx512_vnni");
+  if (limit != "sse2" && limit != "avx2" && avx512) return SF_KERNELS(int4_avx512, "avx512");
+  if (limit != "sse2" && avx2) return SF_KERNELS(int4_avx2, "avx2");
+  return SF_KERNELS(int4_sse2, "sse2");
+}
+
+const Int4Kernels kernels = pick_kernels();
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t out_features, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4_linear: x must be a contiguous float32 or bfloat16 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K > 0 && K % 32 == 0, "int4_linear: K=", K, " must be a multiple of 32");
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
+              "int4_linear: group_size ", group_size, " must be a multiple of 32 dividing K=", K);
+  const int64_t blocks = (N + 15) / 16;
+  const int64_t num_groups = K / group_size;
+  TORCH_CHECK(N > 0 && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte && packed.size(0) == blocks &&
+                  packed.size(1) == K * 8,
+              "int4_linear: packed must be contiguous uint8 [ceil(N/16), K*8] = [", blocks, ", ",
+              K * 8, "]");
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == blocks && t->size(1) == num_groups && t->size(2) == 16,
+                "int4_linear: scales and mins must be contiguous float16 [ceil(N/16), "
+                "K/group_size, 16]");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "int4_linear: CPU tensors only");
+
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return out;
+  const int64_t runs = K / 32;
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({M, runs}, x.options().dtype(at::kFloat));
+  at::Tensor xs = at::empty({M, runs}, x.options().dtype(at::kFloat));
+  int8_t* q_ptr = xq.data_ptr<int8_t>();
+  float* d_ptr = xd.data_ptr<float>();
+  float* s_ptr = xs.data_ptr<float>();
+  // a few rows are quantized on the calling thread (a decode step's one row: ~1 us)
+  const int64_t row_grain = std::max<int64_t>(1, 16384 / K);
+  if (x.scalar_type() == at::kFloat) {
+    const float* x_ptr = x.data_ptr<float>();
+    at::parallel_for(0, M, row_grain, [&](int64_t begin, int64_t end) {
+      kernels.quantize_floats(x_ptr, K, begin, end, q_ptr, d_ptr, s_ptr);
+    });
+  } else {
+    const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    at::parallel_for(0, M, row_grain, [&](int64_t begin, int64_t end) {
+      kernels.quantize_bf16(x_ptr, K, begin, end, q_ptr, d_ptr, s_ptr);
+    });
+  }
+  const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
+  const auto* sc_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mn_ptr = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float tile_out[4 * 64];
+    kernels.columns(q_ptr, d_ptr, s_ptr, M, K, N, w_ptr, sc_ptr, mn_ptr, group_size, begin, end,
+                    tile_out, out_ptr);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int out_features, "
+        "int group_size) -> Tensor");
+  m.def("int4_instruction_set() -> str", [] { return std::string(kernels.name); });
+}
+
+TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) { m.impl("int4_linear", int4_linear); }

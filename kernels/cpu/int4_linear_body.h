@@ -1,0 +1,206 @@
+// The body of splitfuse_cpu::int4_linear, compiled once per instruction set: the including file
+// wraps it in `#pragma GCC target` and a namespace of its own, and defines
+//   SF_LANES        int32 (and float) lanes per vector
+//   SF_ROW_TILE     rows of x per micro-kernel call when there are several
+//   SF_COL_BLOCKS   column blocks per micro-kernel call when there are several rows
+//   vint, vfloat    SF_LANES int32s / floats; vbyte: 4 * SF_LANES uint8s
+//   dot4(acc, w, x) acc + per lane the sum of its 4 bytes of w (0..15) times the 4 int8s of x
+//   load_halves(p)  SF_LANES float16s as floats
+//   round_even(v)   v rounded to the nearest integer, ties to even (as the reference rounds)
+// The rest is GCC vector extensions, so one source becomes AVX-512 (with or without VNNI), AVX2
+// or SSE2 code.
+
+constexpr int kCols = 16;                   // output columns per packed block
+constexpr int kVecs = kCols / SF_LANES;     // vectors per block
+constexpr int kRun = 32;                    // x values per int8 block (one scale each)
+
+static inline vbyte load_bytes(const uint8_t* p) {
+  vbyte v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline vfloat load_floats(const float* p) {
+  vfloat v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline int32_t load_word(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline float as_float(float v) { return v; }
+static inline float as_float(uint16_t v) { return bfloat16_to_float(v); }
+
+// Rows [begin, end) of x [M, K] as int8 in runs of 32, the reference's arithmetic
+// (engine/quantization.py, quantize_activations):
+//   d = max|x| / 127,  q = round_even(x * (1 / d)),  s = d * sum(q)     (d = 0: q = 0)
+template <typename T>
+static void quantize_rows(const T* x, int64_t K, int64_t begin, int64_t end, int8_t* q, float* d,
+                          float* s) {
+  constexpr int kRunVecs = kRun / SF_LANES;
+  const int64_t runs = K / kRun;
+  for (int64_t r = begin; r < end; ++r) {
+    for (int64_t run = 0; run < runs; ++run) {
+      alignas(64) float values[kRun];
+      const T* in = x + r * K + run * kRun;
+      for (int i = 0; i < kRun; ++i) values[i] = as_float(in[i]);
+      vint magnitude = (vint){};
+      for (int j = 0; j < kRunVecs; ++j) {
+        vint bits;
+        __builtin_memcpy(&bits, values + j * SF_LANES, sizeof bits);
+        bits &= 0x7fffffff;
+        magnitude = bits > magnitude ? bits : magnitude;  // a float's order, as an integer
+      }
+      int32_t largest_bits = 0;
+      for (int i = 0; i < SF_LANES; ++i)
+        largest_bits = magnitude[i] > largest_bits ? magnitude[i] : largest_bits;
+      float largest;
+      __builtin_memcpy(&largest, &largest_bits, sizeof largest);
+      const float scale = largest / 127.0f;
+      const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+      int8_t* out = q + r * K + run * kRun;
+      vint total = (vint){};
+      for (int j = 0; j < kRunVecs; ++j) {
+        const vint rounded = round_even(load_floats(values + j * SF_LANES) * inverse);
+        total += rounded;
+        for (int i = 0; i < SF_LANES; ++i) out[j * SF_LANES + i] = static_cast<int8_t>(rounded[i]);
+      }
+      int32_t sum = 0;
+      for (int i = 0; i < SF_LANES; ++i) sum += total[i];
+      d[r * runs + run] = scale;
+      s[r * runs + run] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+// out [ROWS, CB * 16] (row stride ldo) = ROWS rows of int8 x times CB packed blocks of 16
+// columns. A block is K / 8 steps of 64 bytes: step k8 holds, for each of the 16 columns, 4
+// bytes whose low nibbles are the column's values k8 * 8 + 0..3 and whose high nibbles are
+// values k8 * 8 + 4..7, so one 64-byte load, a mask and a shift give two vectors that multiply
+// 4 consecutive x values broadcast to every lane (dot4: VPDPBUSD with VNNI). Per run of 32 x
+// values, the int32 sums turn into floats once:
+//   out += sum_q * (scale_w * d_x) + min_w * s_x
+// Each column's arithmetic is the same whatever ROWS and CB are: a row's result does not depend
+// on the other rows of the call.
+template <int ROWS, int CB>
+static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                 const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
+                 int64_t num_groups, int64_t group_size, float* out, int64_t ldo) {
+  const int64_t block_bytes = K * 8;           // 16 columns x K / 2 bytes
+  const int64_t block_scales = num_groups * kCols;
+  const int64_t runs = K / kRun;
+  const int64_t runs_per_group = group_size / kRun;
+  vfloat acc[ROWS][CB][kVecs];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CB; ++c)
+      for (int v = 0; v < kVecs; ++v) acc[r][c][v] = (vfloat){};
+  // the weight's group of each run, counted (a division per run cost ~8% of one row's product)
+  int64_t group = 0, run_in_group = 0;
+  for (int64_t run = 0; run < runs; ++run) {
+    vint dot[ROWS][CB][kVecs];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < CB; ++c)
+        for (int v = 0; v < kVecs; ++v) dot[r][c][v] = (vint){};
+    for (int step = 0; step < kRun / 8; ++step) {
+      const int64_t k8 = run * (kRun / 8) + step;
+      vbyte low[CB][kVecs], high[CB][kVecs];
+      for (int c = 0; c < CB; ++c)
+        for (int v = 0; v < kVecs; ++v) {
+          const vbyte w = load_bytes(packed + c * block_bytes + k8 * 64 + v * 4 * SF_LANES);
+          low[c][v] = w & 15;
+          high[c][v] = w >> 4;
+        }
+      for (int r = 0; r < ROWS; ++r) {
+        const int32_t x_low = load_word(xq + r * K + k8 * 8);
+        const int32_t x_high = load_word(xq + r * K + k8 * 8 + 4);
+        for (int c = 0; c < CB; ++c)
+          for (int v = 0; v < kVecs; ++v) {
+            dot[r][c][v] = dot4(dot[r][c][v], low[c][v], x_low);
+            dot[r][c][v] = dot4(dot[r][c][v], high[c][v], x_high);
+          }
+      }
+    }
+    for (int c = 0; c < CB; ++c)
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t at = c * block_scales + group * kCols + v * SF_LANES;
+        const vfloat scale = load_halves(scales + at);
+        const vfloat min = load_halves(mins + at);
+        for (int r = 0; r < ROWS; ++r)
+          acc[r][c][v] += __builtin_convertvector(dot[r][c][v], vfloat) *
+                              (scale * xd[r * runs + run]) +
+                          min * xs[r * runs + run];
+      }
+    if (++run_in_group == runs_per_group) {
+      run_in_group = 0;
+      ++group;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CB; ++c)
+      for (int v = 0; v < kVecs; ++v)
+        __builtin_memcpy(out + r * ldo + c * kCols + v * SF_LANES, &acc[r][c][v], sizeof(vfloat));
+}
+
+template <int ROWS>
+static void tile_rows(int blocks, const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                      const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
+                      int64_t num_groups, int64_t group_size, float* out, int64_t ldo) {
+  switch (blocks) {
+#if SF_COL_BLOCKS > 3 || SF_ONE_ROW_BLOCKS > 3
+    case 4:
+      tile<ROWS, 4>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo);
+      break;
+    case 3:
+      tile<ROWS, 3>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo);
+      break;
+#endif
+    case 2:
+      tile<ROWS, 2>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo);
+      break;
+    default:
+      tile<ROWS, 1>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo);
+      break;
+  }
+}
+
+// Column blocks [block_begin, block_end) of out [M, N]: for each run of blocks (up to
+// SF_COL_BLOCKS, or SF_ONE_ROW_BLOCKS for one row), every tile of rows in turn, so the blocks'
+// bytes stay in the cache while the rows pass. `tile_out` holds SF_ROW_TILE * 64 floats: a tile's
+// result before the columns past N are cut off. out [M, N] float32.
+static void int4_columns(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K,
+                         int64_t N, const uint8_t* packed, const uint16_t* scales,
+                         const uint16_t* mins, int64_t group_size, int64_t block_begin,
+                         int64_t block_end, float* tile_out, float* out) {
+  const int64_t num_groups = K / group_size;
+  const int64_t runs = K / kRun;
+  const int max_blocks = M == 1 ? SF_ONE_ROW_BLOCKS : SF_COL_BLOCKS;
+  for (int64_t nb = block_begin; nb < block_end; nb += max_blocks) {
+    const int blocks = static_cast<int>(std::min<int64_t>(max_blocks, block_end - nb));
+    const uint8_t* p = packed + nb * K * 8;
+    const uint16_t* sc = scales + nb * num_groups * kCols;
+    const uint16_t* mn = mins + nb * num_groups * kCols;
+    const int64_t col = nb * kCols;
+    const int64_t width = std::min<int64_t>(blocks * kCols, N - col);
+    const int64_t ldo = blocks * kCols;
+    for (int64_t r0 = 0; r0 < M; r0 += SF_ROW_TILE) {
+      const int rows = static_cast<int>(std::min<int64_t>(SF_ROW_TILE, M - r0));
+      const int8_t* q = xq + r0 * K;
+      const float* d = xd + r0 * runs;
+      const float* s = xs + r0 * runs;
+      switch (rows) {
+#if SF_ROW_TILE > 3
+        case 4: tile_rows<4>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo); break;
+        case 3: tile_rows<3>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo); break;
+#endif
+        case 2: tile_rows<2>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo); break;
+        default: tile_rows<1>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo); break;
+      }
+      for (int r = 0; r < rows; ++r)
+        std::copy(tile_out + r * ldo, tile_out + r * ldo + width, out + (r0 + r) * N + col);
+    }
+  }
+}
