@@ -53,7 +53,10 @@ class QuantizableWeight(nn.Module):
             return None
         if self.int4_out_features:  # packed for the CPU's integer dot products
             packed = PackedInt4(
-                self.qweight, self.qscales, self.qmins, self.int4_out_features,
+                self.qweight,
+                self.qscales,
+                self.qmins,
+                self.int4_out_features,
                 self.quant_group_size,
             )
             return packed.unpack()

@@ -405,9 +405,10 @@ def resolve_quantization(
     """``auto`` -> int4 on a CPU without bfloat16 hardware (the engine's dtype there is float32)
     where the quantized product is native code; otherwise none. Measured on the default model
     (README, "Quantization"): against float32 weights int4 decodes faster at every concurrency;
-    against bfloat16 weights on a CPU that multiplies them in hardware, it is faster for one
-    stream but slower from 8 streams on, so there ``auto`` keeps bfloat16 (``int4`` asks for it).
-    GPUs run int8 and int4 when asked for by name (the Triton product)."""
+    against bfloat16 weights on a CPU that multiplies them in hardware it is faster for one and 8
+    streams and in prefill but about even from 32 streams on, and bfloat16 stays closer to
+    float32's tokens, so there ``auto`` keeps bfloat16 (``int4`` asks for it). GPUs run int8 and
+    int4 when asked for by name (the Triton product)."""
     method = config.method
     if method == "auto":
         from kernels.cpu_ops import load

@@ -68,7 +68,9 @@ def _define_fallback() -> None:
 
     library = torch.library.Library("splitfuse_cpu", "DEF")
     _state["library"] = library  # kept alive: the definitions live as long as the object
-    library.define("quant_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor")
+    library.define(
+        "quant_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor"
+    )
 
     def quant_linear(x, qweight, scales, group_size):  # type: ignore[no-untyped-def]
         weight = dequantize_groups(qweight, scales, None, 8, group_size)

@@ -105,9 +105,7 @@ class WaitingQueue:
             if request_id not in promoted:
                 yield entries[request_id].request
 
-    def overtakes_too_far(
-        self, request: Request, passed: set[str], busy_groups: set[str]
-    ) -> bool:
+    def overtakes_too_far(self, request: Request, passed: set[str], busy_groups: set[str]) -> bool:
         """Whether admitting ``request`` now would overtake an earlier arrival that has waited
         through ``max_overtakes`` admissions and could run now: not in ``passed`` (admitted or
         set aside this step) nor a member of a group in ``busy_groups`` (which waits for another

@@ -20,10 +20,10 @@ from engine.deterministic_rows import TILE_ROWS, at_least_two_rows, fixed_tiles
 from engine.layers import ColumnParallelLinear
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.quantization import quantize
-from tests.kernels.test_quant_linear import product as quantized_product
 from kernels import AttentionMetadata, get_backend
 from kernels.cpu_ops import has_fixed_order_attention
 from kernels.torch_backend import TorchBackend
+from tests.kernels.test_quant_linear import product as quantized_product
 
 ROW_COUNTS = [2, 3, 4, 5, 7, 12, 16, 17, 33, 64, 100, 255]
 

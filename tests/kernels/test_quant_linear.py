@@ -154,7 +154,12 @@ def test_4bit_products_of_bfloat16_rows_and_any_group_size(num_in, group_size, n
 
 
 def test_packing_4bit_weights_for_integer_dot_products_keeps_their_numbers():
-    for num_rows, num_cols, group_size in [(45, 256, 32), (16, 64, 64), (3, 96, 96), (50, 128, 128)]:
+    for num_rows, num_cols, group_size in [
+        (45, 256, 32),
+        (16, 64, 64),
+        (3, 96, 96),
+        (50, 128, 128),
+    ]:
         quantized = quantize(torch.randn(num_rows, num_cols), 4, group_size)
         packed = PackedInt4.pack(quantized)
         blocks = -(-num_rows // 16)

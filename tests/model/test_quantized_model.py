@@ -146,7 +146,9 @@ def test_quantized_logits_match_transformers_on_the_dequantized_weights(
         want = hf_logits(reference, token_ids)
         if bits == 8:
             diff = (ours[name] - want).abs().max().item()
-            assert diff < LOGITS_ATOL, f"{method} sequence {name}: max |logit difference| {diff:.2e}"
+            assert diff < LOGITS_ATOL, (
+                f"{method} sequence {name}: max |logit difference| {diff:.2e}"
+            )
         else:
             rms = relative_rms(ours[name], want)
             assert rms < 1e-2, f"{method} sequence {name}: relative RMS {rms:.2e}"
@@ -174,7 +176,7 @@ def test_the_default_model_in_int4_runs_the_numbers_of_its_gguf_file(default_mod
     # blocks dequantized when the folder was prepared), fused parts gathered as the loader does.
     holders = {path: torch.zeros(module.quantized.shape) for path, module in layers.items()}
     with safe_open(str(default_model_dir / "model.safetensors"), "pt") as handle:
-        for name in handle.keys():
+        for name in handle.keys():  # noqa: SIM118 - a safetensors handle is no mapping
             target, shard_id = model.param_name(name)
             path = None if target is None else target.removesuffix(".weight")
             if path in layers:
