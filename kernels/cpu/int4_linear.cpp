@@ -34,53 +34,18 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512vnni")
 namespace int4_avx512_vnni {
-#define SF_LANES 16
-#define SF_ROW_TILE 4
-#define SF_COL_BLOCKS 2
-#define SF_ONE_ROW_BLOCKS 4
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef float vfloat __attribute__((vector_size(64)));
-typedef uint8_t vbyte __attribute__((vector_size(64)));
-static inline vint dot4(vint acc, vbyte w, int32_t x) {
-  return (vint)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x));
-}
-static inline vfloat load_halves(const uint16_t* p) {
-  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-static inline vint round_even(vfloat v) { return (vint)_mm512_cvtps_epi32((__m512)v); }
-#include "int4_linear_body.h"
-#undef SF_LANES
-#undef SF_ROW_TILE
-#undef SF_COL_BLOCKS
-#undef SF_ONE_ROW_BLOCKS
+#define SF_VNNI 1
+#include "int4_linear_avx512.h"
+#undef SF_VNNI
 }  // namespace int4_avx512_vnni
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 namespace int4_avx512 {
-#define SF_LANES 16
-#define SF_ROW_TILE 4
-#define SF_COL_BLOCKS 2
-#define SF_ONE_ROW_BLOCKS 4
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef float vfloat __attribute__((vector_size(64)));
-typedef uint8_t vbyte __attribute__((vector_size(64)));
-// without VNNI: pairs of byte products in int16 (at most 2 * 15 * 127: no saturation), then
-// pairs of those in int32
-static inline vint dot4(vint acc, vbyte w, int32_t x) {
-  const __m512i pairs = _mm512_maddubs_epi16((__m512i)w, _mm512_set1_epi32(x));
-  return acc + (vint)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
-}
-static inline vfloat load_halves(const uint16_t* p) {
-  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-static inline vint round_even(vfloat v) { return (vint)_mm512_cvtps_epi32((__m512)v); }
-#include "int4_linear_body.h"
-#undef SF_LANES
-#undef SF_ROW_TILE
-#undef SF_COL_BLOCKS
-#undef SF_ONE_ROW_BLOCKS
+#define SF_VNNI 0
+#include "int4_linear_avx512.h"
+#undef SF_VNNI
 }  // namespace int4_avx512
 #pragma GCC pop_options
 
@@ -103,10 +68,6 @@ static inline vfloat load_halves(const uint16_t* p) {
 }
 static inline vint round_even(vfloat v) { return (vint)_mm256_cvtps_epi32((__m256)v); }
 #include "int4_linear_body.h"
-#undef SF_LANES
-#undef SF_ROW_TILE
-#undef SF_COL_BLOCKS
-#undef SF_ONE_ROW_BLOCKS
 }  // namespace int4_avx2
 #pragma GCC pop_options
 
@@ -131,10 +92,6 @@ static inline vfloat load_halves(const uint16_t* p) {
 }
 static inline vint round_even(vfloat v) { return (vint)_mm_cvtps_epi32((__m128)v); }
 #include "int4_linear_body.h"
-#undef SF_LANES
-#undef SF_ROW_TILE
-#undef SF_COL_BLOCKS
-#undef SF_ONE_ROW_BLOCKS
 }  // namespace int4_sse2
 
 namespace {

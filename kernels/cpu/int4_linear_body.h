@@ -8,7 +8,7 @@
 //   load_halves(p)  SF_LANES float16s as floats
 //   round_even(v)   v rounded to the nearest integer, ties to even (as the reference rounds)
 // The rest is GCC vector extensions, so one source becomes AVX-512 (with or without VNNI), AVX2
-// or SSE2 code.
+// or SSE2 code. The SF_ parameters are undefined at the end.
 
 constexpr int kCols = 16;                   // output columns per packed block
 constexpr int kVecs = kCols / SF_LANES;     // vectors per block
@@ -204,3 +204,8 @@ static void int4_columns(const int8_t* xq, const float* xd, const float* xs, int
     }
   }
 }
+
+#undef SF_LANES
+#undef SF_ROW_TILE
+#undef SF_COL_BLOCKS
+#undef SF_ONE_ROW_BLOCKS
