@@ -1,10 +1,12 @@
 // The body of splitfuse_cpu::fixed_order_attention, included once per instruction set by
 // fixed_order_attention.cpp. Every number a query's result depends on is computed by the same
 // operations in the same order whatever else the call holds:
-//   score(q, p)  = sum over head_dim in 16 fixed lanes (lane l adds dims l, l + 16, ... with
-//                  fused multiply-adds), the lanes added as a fixed tree, times the scale
+//   score(q, p)  = sum over head_dim in 16 fixed lanes (lane l adds the dims widened to l,
+//                  l + 16, ... (lane_of) with fused multiply-adds), the lanes added as a fixed
+//                  tree (lane_trees16), times the scale
 //   weight(q, p) = exp(score - max score): a polynomial of fused multiply-adds (exp_nonpositive)
-//   sum          = the weights added one position after another
+//   sum          = position p's weight added into lane p % 16, one position after another, the
+//                  lanes then added as the scores' lanes are
 //   out(q)       = per dim, weight * value added one position after another, then / sum
 // Only IEEE operations with one rounding each appear (fused multiply-adds spelled out: fma16 and
 // std::fma), so a vectorized loop and its scalar remainder give the same bits, and so do the
@@ -31,6 +33,30 @@ static inline float exp_nonpositive(float x) {
   return x < -87.3f ? 0.0f : y * power;
 }
 
+// exp_nonpositive in 16 lanes: the same operations, so each lane gives the scalar's bits
+static inline v16 exp16_nonpositive(v16 x) {
+  typedef int32_t vi16 __attribute__((vector_size(64)));
+  const v16 low = v16{} - 87.3f;
+  const vi16 below = x < low;
+  const v16 clamped = below ? low : x;
+  const v16 shifted = fma16(clamped, v16{} + 1.44269504088896341f, v16{} + 12582912.0f);
+  const v16 n = shifted - 12582912.0f;
+  v16 r = fma16(n, v16{} - 0.693359375f, clamped);
+  r = fma16(n, v16{} + 2.12194440e-4f, r);
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = fma16(p, r, v16{} + 1.3981999507e-3f);
+  p = fma16(p, r, v16{} + 8.3334519073e-3f);
+  p = fma16(p, r, v16{} + 4.1665795894e-2f);
+  p = fma16(p, r, v16{} + 1.6666665459e-1f);
+  p = fma16(p, r, v16{} + 5.0000001201e-1f);
+  const v16 r2 = r * r;
+  const v16 y = fma16(p, r2, r) + 1.0f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 power;
+  __builtin_memcpy(&power, &bits, sizeof power);
+  return below ? v16{} : y * power;
+}
+
 static inline v16 load16(const float* p) {
   v16 v;
   __builtin_memcpy(&v, p, sizeof v);
@@ -39,29 +65,34 @@ static inline v16 load16(const float* p) {
 
 static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
-// The 16 lanes added as a fixed tree: halves, quarters, then ((0 + 2) + (1 + 3)).
-// lane_tree of four accumulators at once, the same additions in the same pairs (so the same bits)
-static inline v4 lane_trees(v16 a0, v16 a1, v16 a2, v16 a3) {
-  const v16 e01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
-                                          22, 23) +
-                  __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
-                                          28, 29, 30, 31);
-  const v16 e23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
-                                          22, 23) +
-                  __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
-                                          28, 29, 30, 31);
-  // [quarters of a0, of a1, of a2, of a3]
-  const v16 q = __builtin_shufflevector(e01, e23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,
-                                        25, 26, 27) +
-                __builtin_shufflevector(e01, e23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
-                                        29, 30, 31);
-  // (quarter 0 + quarter 2), (quarter 1 + quarter 3) of each
-  const v8 pairs = __builtin_shufflevector(q, q, 0, 1, 4, 5, 8, 9, 12, 13) +
-                   __builtin_shufflevector(q, q, 2, 3, 6, 7, 10, 11, 14, 15);
-  return __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6) +
-         __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7);
+// The 16 lanes of accumulators added as fixed trees.
+// lane_tree of sixteen accumulators at once, by other pairs: halves, quarters, then pairs of
+// lanes, then lanes (lane i of the result is a[i]'s sum). Lanes of different accumulators never
+// meet, so an accumulator's sum does not depend on the others.
+static inline v16 lane_trees16(const v16* a) {
+  v16 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // a[i]'s 8 partial sums, then a[i + 8]'s
+    x[i] = __builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                   21, 22, 23) +
+           __builtin_shufflevector(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                   28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // quarters: a[i]'s 4, a[i + 4]'s, a[i + 8]'s, a[i + 12]'s
+    y[i] = __builtin_shufflevector(x[i], x[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24,
+                                   25, 26, 27) +
+           __builtin_shufflevector(x[i], x[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28,
+                                   29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // quarter k: a[i + 4k]'s 2, a[i + 2 + 4k]'s 2
+    z[i] = __builtin_shufflevector(y[i], y[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12,
+                                   13, 28, 29) +
+           __builtin_shufflevector(y[i], y[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14,
+                                   15, 30, 31);
+  return __builtin_shufflevector(z[0], z[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                                 14, 30) +
+         __builtin_shufflevector(z[0], z[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                 15, 31);
 }
 
+// One accumulator's 16 lanes: halves, quarters, then ((0 + 2) + (1 + 3)).
 static inline float lane_tree(v16 acc) {
   const v8 eighths = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
                      __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -70,17 +101,50 @@ static inline float lane_tree(v16 acc) {
   return (quarters[0] + quarters[2]) + (quarters[1] + quarters[3]);
 }
 
-template <typename CacheT>
-static inline void load_row(const CacheT* in, int64_t n, float* out) {
-  for (int64_t d = 0; d < n; ++d) out[d] = to_float(in[d]);
+// A row of head_dim values is widened to float32 in groups of 32 dims, each laid out as its 16
+// even dims then its 16 odd dims (lane_of); a last group of fewer dims keeps its order. The
+// layout is bfloat16's cheapest: 32 values read as 16 words give the even dims by a shift and
+// the odd ones by a mask. Every cache dtype uses it, so a cache's values, not its dtype, decide
+// the result's bits.
+static inline int64_t lane_of(int64_t d, int64_t D) {
+  if (d >= D / 32 * 32) return d;
+  const int64_t r = d % 32;
+  return d - r + (r % 2) * 16 + r / 2;
 }
 
-// bfloat16 -> float32 is a shift of the bits (exact), in a loop the compiler vectorizes
-template <>
-inline void load_row<Bf16>(const Bf16* in, int64_t n, float* out) {
-  const auto* bits = reinterpret_cast<const uint16_t*>(in);
-  auto* words = reinterpret_cast<uint32_alias*>(out);
-  for (int64_t d = 0; d < n; ++d) words[d] = static_cast<uint32_t>(bits[d]) << 16;
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+
+// 32 values from in: the even dims into even, the odd dims into odd
+static inline void split_pairs(const Bf16* in, v16& even, v16& odd) {
+  vu16 words;
+  __builtin_memcpy(&words, in, sizeof words);
+  const vu16 low = words << 16, high = words & 0xFFFF0000u;  // bfloat16 -> float32: exact
+  __builtin_memcpy(&even, &low, sizeof even);
+  __builtin_memcpy(&odd, &high, sizeof odd);
+}
+
+static inline void split_pairs(const float* in, v16& even, v16& odd) {
+  const v16 lo = load16(in), hi = load16(in + 16);
+  even = __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  odd = __builtin_shufflevector(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+static inline void split_pairs(const Fp16* in, v16& even, v16& odd) {
+  float widened[32];
+  for (int d = 0; d < 32; ++d) widened[d] = to_float(in[d]);
+  split_pairs(widened, even, odd);
+}
+
+template <typename CacheT>
+static inline void load_row(const CacheT* in, int64_t n, float* out) {
+  int64_t d = 0;
+  for (; d + 32 <= n; d += 32) {
+    v16 even, odd;
+    split_pairs(in + d, even, odd);
+    store16(out + d, even);
+    store16(out + d + 16, odd);
+  }
+  for (; d < n; ++d) out[d] = to_float(in[d]);
 }
 
 // Positions p0 .. p0 + n - 1 of KV heads [kv0, kv0 + nkv), read through the block table, as
@@ -97,6 +161,149 @@ static inline void widen_block(const CacheT* cache, const FixedOrderArgs& a, con
     const CacheT* row = cache + slot * a.slot_stride + kv0 * a.head_dim;
     for (int64_t j = 0; j < nkv; ++j)
       load_row(row + j * a.head_dim, a.head_dim, block + (i * nkv + j) * Dp);
+  }
+}
+
+// o[c] += w[i] * values[i][c] for i = 0 .. n - 1 in turn, for C chunks of 16 dims at once: C
+// chains of fused multiply-adds in flight (each chunk's additions in the same order as alone)
+template <int C>
+static inline void add_weighted(float* o, const float* values, const float* w, int64_t n,
+                                int64_t stride) {
+  v16 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = load16(o + c * kLanes);
+  for (int64_t i = 0; i < n; ++i) {
+    const v16 weight = v16{} + w[i];
+    for (int c = 0; c < C; ++c)
+      acc[c] = fma16(weight, load16(values + i * stride + c * kLanes), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) store16(o + c * kLanes, acc[c]);
+}
+
+// Loads one byte of each cache line of positions p0 .. p0 + n - 1 of KV heads [kv0, kv0 + nkv):
+// loads that do not wait on one another, issued two blocks before the arithmetic reads those
+// rows (only reads). A context's blocks lie anywhere in the cache, so the hardware prefetcher
+// finds no stream; software prefetches of the same lines gained less (32 decode tokens at
+// context 272, 2 threads, cold caches: 700 -> 690 us a layer with prefetches, -> 560 us with
+// loads).
+template <typename CacheT>
+static inline void touch_block(const CacheT* cache, const FixedOrderArgs& a, const int32_t* table,
+                               int64_t kv0, int64_t nkv, int64_t p0, int64_t n) {
+  const int64_t bytes = nkv * a.head_dim * static_cast<int64_t>(sizeof(CacheT));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = p0 + i;
+    const int64_t slot =
+        static_cast<int64_t>(table[p / a.block_size]) * a.block_size + p % a.block_size;
+    const auto* row =
+        reinterpret_cast<const volatile char*>(cache + slot * a.slot_stride + kv0 * a.head_dim);
+    for (int64_t b = 0; b < bytes; b += 64) (void)row[b];
+  }
+}
+
+// Scores w[0 .. length) -> exp(score - max score), in place; returns their sum: position p adds
+// into lane p % 16, one position after another, and the lanes are added as a tree (a lane's
+// missing positions add 0, which changes nothing)
+static inline float exponentiate(float* w, int64_t length) {
+  const int64_t whole = length / kLanes * kLanes;
+  v16 tops = v16{} + w[0];  // the largest score, whatever the order it is found in
+  for (int64_t p = 0; p < whole; p += kLanes) {
+    const v16 v = load16(w + p);
+    tops = v > tops ? v : tops;
+  }
+  float top = w[0];
+  for (int l = 0; l < kLanes; ++l) top = tops[l] > top ? tops[l] : top;
+  for (int64_t p = whole; p < length; ++p) top = w[p] > top ? w[p] : top;
+  v16 total = {};
+  for (int64_t p = 0; p < whole; p += kLanes) {
+    const v16 e = exp16_nonpositive(load16(w + p) - top);
+    store16(w + p, e);
+    total = total + e;
+  }
+  v16 tail = {};
+  for (int64_t p = whole; p < length; ++p) {
+    w[p] = exp_nonpositive(w[p] - top);
+    tail[p - whole] = w[p];
+  }
+  return lane_tree(total + tail);
+}
+
+constexpr int64_t kAhead = 2 * kBlock;  // positions between a touch (touch_block) and its read
+
+// Heads of 64 dims, bfloat16 or float32 caches: the same arithmetic in the same order as the
+// general path below (so the same bits), without widening rows into a buffer. Each position's
+// key or value row (4 chunks of 16 lanes) is read once into registers for HG query heads of KV
+// head kv; the HG x 4 output accumulators stay in registers over the whole context. The rows of
+// KV heads kv .. kv + touched - 1 are touched kAhead positions before they are read. 32 decode
+// tokens at context 272, 2 threads: 549 -> 473 us a layer with the context in the L3 cache,
+// ~700 -> ~560 us from memory.
+template <int HG, typename QueryT, typename CacheT>
+static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const CacheT* values,
+                           const int32_t* table, int64_t length, int64_t kv, int64_t touched,
+                           const QueryT* const* query_rows, QueryT* const* out_rows,
+                           float* weights) {
+  constexpr int64_t D = 64, C = 4;
+  auto row_of = [&](const CacheT* cache, int64_t p) {
+    const int64_t slot =
+        static_cast<int64_t>(table[p / a.block_size]) * a.block_size + p % a.block_size;
+    return cache + slot * a.slot_stride + kv * D;
+  };
+  auto chunks = [](const CacheT* row, v16* c) {
+    split_pairs(row, c[0], c[1]);
+    split_pairs(row + 32, c[2], c[3]);
+  };
+  v16 q[HG][C];
+  for (int h = 0; h < HG; ++h) {
+    float widened[D];
+    for (int64_t d = 0; d < D; ++d) widened[lane_of(d, D)] = to_float(query_rows[h][d]);
+    for (int c = 0; c < C; ++c) q[h][c] = load16(widened + c * kLanes);
+  }
+  // the keys then the values of the context, as positions u = 0 .. 2 * length - 1
+  auto touch = [&](int64_t u0, int64_t u1) {
+    u1 = std::min(u1, 2 * length);
+    if (u0 < length) touch_block(keys, a, table, kv, touched, u0, std::min(u1, length) - u0);
+    u0 = std::max(u0, length);
+    if (u0 < u1) touch_block(values, a, table, kv, touched, u0 - length, u1 - u0);
+  };
+  touch(0, kAhead);
+  // scores, a block of 16 positions at a time (rows past the context: zeros, lanes dropped)
+  for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, length - p0);
+    touch(p0 + kAhead, p0 + kAhead + n);
+    v16 acc[HG][kBlock];
+    for (int64_t i = 0; i < kBlock; ++i) {
+      v16 k[C] = {};
+      if (i < n) chunks(row_of(keys, p0 + i), k);
+      for (int h = 0; h < HG; ++h) {
+        v16 sum = {};
+        for (int c = 0; c < C; ++c) sum = fma16(q[h][c], k[c], sum);
+        acc[h][i] = sum;
+      }
+    }
+    for (int h = 0; h < HG; ++h) {
+      const v16 scores = lane_trees16(acc[h]) * a.scale;
+      __builtin_memcpy(weights + h * length + p0, &scores, n * sizeof(float));
+    }
+  }
+  float totals[HG];
+  for (int h = 0; h < HG; ++h) totals[h] = exponentiate(weights + h * length, length);
+  // out += weight * value, one position after another
+  v16 out[HG][C] = {};
+  for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, length - p0);
+    touch(length + p0 + kAhead, length + p0 + kAhead + n);
+    for (int64_t i = 0; i < n; ++i) {
+      v16 v[C];
+      chunks(row_of(values, p0 + i), v);
+      for (int h = 0; h < HG; ++h) {
+        const v16 weight = v16{} + weights[h * length + p0 + i];
+        for (int c = 0; c < C; ++c) out[h][c] = fma16(weight, v[c], out[h][c]);
+      }
+    }
+  }
+  for (int h = 0; h < HG; ++h) {
+    float widened[D];
+    for (int c = 0; c < C; ++c) store16(widened + c * kLanes, out[h][c]);
+    for (int64_t d = 0; d < D; ++d)
+      out_rows[h][d] = from_float<QueryT>(widened[lane_of(d, D)] / totals[h]);
   }
 }
 
@@ -121,22 +328,49 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
     const int64_t token = item / groups, kv0 = item % groups * nkv;
     const int64_t length = a.token_lens[token];
     const int32_t* table = a.block_tables + a.token_rows[token] * a.table_stride;
+    if (D == 64 && !std::is_same<CacheT, Fp16>::value) {
+      weights.resize(3 * length);
+      for (int64_t kv = kv0; kv < kv0 + nkv; ++kv)
+        for (int64_t h0 = 0; h0 < G; h0 += 3) {  // query heads kv * G + h0 ..., 3 at a time
+          const QueryT* query_rows[3];
+          QueryT* out_rows[3];
+          const int64_t count = std::min<int64_t>(3, G - h0);
+          for (int64_t h = 0; h < count; ++h) {
+            query_rows[h] = query + token * a.query_stride + (kv * G + h0 + h) * D;
+            out_rows[h] = result + (token * a.num_heads + kv * G + h0 + h) * D;
+          }
+          // the item's first pass touches its every KV head's rows (a slot's heads are
+          // contiguous); the later passes find them in the L2 cache
+          const int64_t touched = kv == kv0 && h0 == 0 ? nkv : 0;
+          auto* attend = count == 3   ? attend_heads64<3, QueryT, CacheT>
+                         : count == 2 ? attend_heads64<2, QueryT, CacheT>
+                                      : attend_heads64<1, QueryT, CacheT>;
+          attend(a, keys, values, table, length, kv, touched, query_rows, out_rows,
+                 weights.data());
+        }
+      continue;
+    }
     // head h of the item is query head kv0 * G + h, of KV head kv0 + h / G
     for (int64_t h = 0; h < heads; ++h) {
       const QueryT* q = query + token * a.query_stride + (kv0 * G + h) * D;
-      for (int64_t d = 0; d < D; ++d) queries[h * Dp + d] = to_float(q[d]);
+      for (int64_t d = 0; d < D; ++d) queries[h * Dp + lane_of(d, D)] = to_float(q[d]);
     }
     weights.resize(heads * length);
-    // scores, a block of positions' keys widened at once; four positions' lane trees at a time
+    // scores, a block of positions' keys widened at once (the next block's rows touched first)
     for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, length - p0);
+      if (p0 + n < length)
+        touch_block(keys, a, table, kv0, nkv, p0 + n, std::min<int64_t>(kBlock, length - p0 - n));
+      else
+        touch_block(values, a, table, kv0, nkv, 0, std::min<int64_t>(kBlock, length));
       widen_block(keys, a, table, kv0, nkv, p0, n, Dp, block.data());
       for (int64_t h = 0; h < heads; ++h) {
         const float* q = queries.data() + h * Dp;
         const float* keys_of_head = block.data() + (h / G) * Dp;
-        float* w = weights.data() + h * length + p0;
-        int64_t i = 0;
-        for (; i + 4 <= n; i += 4) {
+        // 16 positions' sums, 4 at a time; rows past n hold an earlier block's keys (or zeros)
+        // and their lanes are dropped
+        v16 acc[kBlock];
+        for (int64_t i = 0; i < kBlock; i += 4) {
           const float* k = keys_of_head + i * stride;
           v16 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
           for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) {
@@ -146,48 +380,46 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
             acc2 = fma16(qd, load16(k + 2 * stride + d0), acc2);
             acc3 = fma16(qd, load16(k + 3 * stride + d0), acc3);
           }
-          const v4 scores = lane_trees(acc0, acc1, acc2, acc3) * a.scale;
-          __builtin_memcpy(w + i, &scores, sizeof scores);
+          acc[i] = acc0, acc[i + 1] = acc1, acc[i + 2] = acc2, acc[i + 3] = acc3;
         }
-        for (; i < n; ++i) {
-          const float* k = keys_of_head + i * stride;
-          v16 acc = {};
-          for (int64_t d0 = 0; d0 < Dp; d0 += kLanes)
-            acc = fma16(load16(q + d0), load16(k + d0), acc);
-          w[i] = lane_tree(acc) * a.scale;
-        }
+        const v16 scores = lane_trees16(acc) * a.scale;
+        __builtin_memcpy(weights.data() + h * length + p0, &scores, n * sizeof(float));
       }
     }
-    for (int64_t h = 0; h < heads; ++h) {
-      float* w = weights.data() + h * length;
-      float top = w[0];
-      for (int64_t p = 1; p < length; ++p) top = w[p] > top ? w[p] : top;
-      for (int64_t p = 0; p < length; ++p) w[p] = exp_nonpositive(w[p] - top);
-      float total = 0.0f;
-      for (int64_t p = 0; p < length; ++p) total = total + w[p];
-      totals[h] = total;
-    }
+    for (int64_t h = 0; h < heads; ++h)
+      totals[h] = exponentiate(weights.data() + h * length, length);
     // out += weight * value, one position after another; a block of positions' values is
     // widened once and each accumulator stays in a register across the block
     std::fill(out.begin(), out.end(), 0.0f);
     for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, length - p0);
+      if (p0 + n < length)
+        touch_block(values, a, table, kv0, nkv, p0 + n, std::min<int64_t>(kBlock, length - p0 - n));
       widen_block(values, a, table, kv0, nkv, p0, n, Dp, block.data());
       for (int64_t h = 0; h < heads; ++h) {
         const float* w = weights.data() + h * length + p0;
         const float* values_of_head = block.data() + (h / G) * Dp;
         float* o = out.data() + h * Dp;
-        for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) {
-          v16 acc = load16(o + d0);
-          for (int64_t i = 0; i < n; ++i)
-            acc = fma16(v16{} + w[i], load16(values_of_head + i * stride + d0), acc);
-          store16(o + d0, acc);
+        int64_t d0 = 0;
+        for (; d0 + 4 * kLanes <= Dp; d0 += 4 * kLanes)
+          add_weighted<4>(o + d0, values_of_head + d0, w, n, stride);
+        switch ((Dp - d0) / kLanes) {
+          case 3:
+            add_weighted<3>(o + d0, values_of_head + d0, w, n, stride);
+            break;
+          case 2:
+            add_weighted<2>(o + d0, values_of_head + d0, w, n, stride);
+            break;
+          case 1:
+            add_weighted<1>(o + d0, values_of_head + d0, w, n, stride);
+            break;
         }
       }
     }
     for (int64_t h = 0; h < heads; ++h) {
       QueryT* o = result + (token * a.num_heads + kv0 * G + h) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = from_float<QueryT>(out[h * Dp + d] / totals[h]);
+      for (int64_t d = 0; d < D; ++d)
+        o[d] = from_float<QueryT>(out[h * Dp + lane_of(d, D)] / totals[h]);
     }
   }
 }

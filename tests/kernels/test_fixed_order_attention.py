@@ -1,9 +1,9 @@
 """``splitfuse_cpu::fixed_order_attention`` (``kernels/cpu/fixed_order_attention.cpp``), the C++
 attention of deterministic mode on CPUs: against a float64 reference over the same paged cache,
 for every query and cache dtype, grouped-query ratios and head sizes that are not a multiple of
-its 16 lanes; a token's result the same bits alone, among others and through every instruction
-set's body; bad tables refused before anything runs; ``store_and_attend`` stores and attends in
-one call."""
+its 16 lanes; a token's result the same bits alone, among others, through every instruction
+set's body and from caches of any dtype that hold the same numbers; bad tables refused before
+anything runs; ``store_and_attend`` stores and attends in one call."""
 
 from __future__ import annotations
 
@@ -118,6 +118,24 @@ def test_a_token_gives_the_same_bits_alone_and_among_others():
     wider = torch.cat((tables, tables[:, :1].expand(-1, 3)), dim=1).contiguous()
     shuffled = _attend(query[order], key_cache, value_cache, wider, rows[order], lens[order], 0.125)
     assert torch.equal(shuffled, together[order])
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_the_caches_values_not_their_dtype_decide_the_bits(head_dim):
+    """Caches of float32, bfloat16 and float16 holding the same numbers give the same bits. With
+    64-dim heads float32 and bfloat16 caches take the path that reads rows into registers and
+    float16 caches the one that widens them into a buffer, so the two paths agree as well."""
+    query, keys, values, tables, rows, lens = _case(
+        [1, 3, 1, 20], [70, 20, 33, 40], 9, 3, head_dim, 16, torch.bfloat16, torch.bfloat16, 8
+    )
+    # numbers that bfloat16 and float16 both hold exactly
+    keys, values = (torch.where(t.abs() < 1e-3, 0, t) for t in (keys, values))
+    for t in (keys, values):
+        assert torch.equal(t.half().bfloat16(), t)
+    want = _attend(query, keys, values, tables, rows, lens, 0.125)
+    for dtype in (torch.float32, torch.float16):
+        got = _attend(query, keys.to(dtype), values.to(dtype), tables, rows, lens, 0.125)
+        assert torch.equal(got, want), dtype
 
 
 def test_bad_tables_are_refused():

@@ -4,10 +4,14 @@ Greedy: each of 32 requests alone (budget 512) is the reference; all 32 together
 16, 64 and 512 tokens, with prefix caching of shared prompt prefixes, and with a KV pool so small
 that requests are preempted and recomputed, give the same tokens (under the near-tie rule, against
 transformers' logits over the reference sequence). Seeded sampling: the same tokens alone and among
-the others under the same budget. (A budget that cuts a prompt elsewhere can give one of its tokens
-to another kernel, a one-token chunk to the C++ decode attention, a longer one to SDPA; the random
-model's near-uniform distribution turns such last-bit differences into other draws. Deterministic
-mode holds it under every budget: tests/model/test_deterministic_model.py.)
+the others under the same budget. (The logits alone and among others may still differ in the last
+bits: a prompt's rows go through products of other row counts. A draw from the whole distribution
+moves only if its point falls within those bits of an interval's end; a top-p draw ranks the
+random model's near-uniform probabilities first, where such bits reorder near-ties and move whole
+intervals, so the test draws without top-p. A budget that cuts a prompt elsewhere can give one of
+its tokens to another kernel, a one-token chunk to the C++ decode attention, a longer one to SDPA.
+Deterministic mode gives the same logits, to the bit, under every budget:
+tests/model/test_deterministic_model.py.)
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def test_greedy_output_is_batch_invariant(tiny_llama_dir, greedy_reference, over
 def test_seeded_sampling_is_batch_invariant(tiny_llama_dir) -> None:
     prompts = _prompts()
     params = [
-        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS, seed=100 + index)
+        SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, seed=100 + index)
         for index in range(len(prompts))
     ]
     alone = _run_alone(_engine(tiny_llama_dir), prompts[:8], params[:8])
