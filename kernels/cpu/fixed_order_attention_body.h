@@ -6,7 +6,7 @@
 //                  tree (lane_trees16), times the scale
 //   weight(q, p) = exp(score - max score): a polynomial of fused multiply-adds (exp_nonpositive)
 //   sum          = position p's weight added into lane p % 16, one position after another, the
-//                  lanes then added as the scores' lanes are
+//                  lanes then added as a fixed tree (lane_tree)
 //   out(q)       = per dim, weight * value added one position after another, then / sum
 // Only IEEE operations with one rounding each appear (fused multiply-adds spelled out: fma16 and
 // std::fma), so a vectorized loop and its scalar remainder give the same bits, and so do the
@@ -65,10 +65,9 @@ static inline v16 load16(const float* p) {
 
 static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
-// The 16 lanes of accumulators added as fixed trees.
-// lane_tree of sixteen accumulators at once, by other pairs: halves, quarters, then pairs of
-// lanes, then lanes (lane i of the result is a[i]'s sum). Lanes of different accumulators never
-// meet, so an accumulator's sum does not depend on the others.
+// The 16 lanes of each of sixteen accumulators added as a fixed tree, all at once: halves,
+// quarters, then pairs of lanes, then lanes (lane i of the result is a[i]'s sum). Lanes of
+// different accumulators never meet, so an accumulator's sum does not depend on the others.
 static inline v16 lane_trees16(const v16* a) {
   v16 x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)  // a[i]'s 8 partial sums, then a[i + 8]'s
