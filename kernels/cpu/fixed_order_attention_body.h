@@ -179,11 +179,11 @@ static inline void add_weighted(float* o, const float* values, const float* w, i
 }
 
 // Loads one byte of each cache line of positions p0 .. p0 + n - 1 of KV heads [kv0, kv0 + nkv):
-// loads that do not wait on one another, issued two blocks before the arithmetic reads those
-// rows (only reads). A context's blocks lie anywhere in the cache, so the hardware prefetcher
-// finds no stream; software prefetches of the same lines gained less (32 decode tokens at
-// context 272, 2 threads, cold caches: 700 -> 690 us a layer with prefetches, -> 560 us with
-// loads).
+// loads that do not wait on one another, issued before the arithmetic reads those rows (two
+// blocks ahead in attend_heads64, one in the buffer path; only reads). A context's blocks lie
+// anywhere in the cache, so the hardware prefetcher finds no stream. Software prefetches of the
+// same lines gained 0-10% (32 decode tokens at context 272, 2 threads, cold caches), these loads
+// ~20%.
 template <typename CacheT>
 static inline void touch_block(const CacheT* cache, const FixedOrderArgs& a, const int32_t* table,
                                int64_t kv0, int64_t nkv, int64_t p0, int64_t n) {
