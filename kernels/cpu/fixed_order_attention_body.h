@@ -227,8 +227,8 @@ static inline float exponentiate(float* w, int64_t length) {
 
 constexpr int64_t kAhead = 2 * kBlock;  // positions between a touch (touch_block) and its read
 
-// Heads of 64 dims, bfloat16 or float32 caches: the same arithmetic in the same order as the
-// general path below (so the same bits), without widening rows into a buffer. Each position's
+// Heads of 64 dims, bfloat16 or float32 caches: the same arithmetic in the same order as
+// buffer_items below (so the same bits), without widening rows into a buffer. Each position's
 // key or value row (4 chunks of 16 lanes) is read once into registers for HG query heads of KV
 // head kv; the HG x 4 output accumulators stay in registers over the whole context. The rows of
 // KV heads kv .. kv + touched - 1 are touched kAhead positions before they are read. 32 decode
@@ -306,10 +306,59 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
   }
 }
 
-// Items [begin, end): item k is (token, group of kv_per_item KV heads), the items taken from both
-// ends in turn. How many KV heads an item holds changes which thread computes a head, never how.
+// Item k is (token, group of kv_per_item KV heads from kv0), the items taken from both ends in
+// turn. How many KV heads an item holds changes which thread computes a head, never how.
+struct Item {
+  int64_t token, kv0, length;
+  const int32_t* table;  // the token's row of the block tables
+};
+
+static inline Item item_at(const FixedOrderArgs& a, int64_t k) {
+  const int64_t groups = a.num_kv_heads / a.kv_per_item;
+  const int64_t num_items = a.num_tokens * groups;
+  const int64_t item = k % 2 == 0 ? k / 2 : num_items - 1 - k / 2;
+  const int64_t token = item / groups;
+  return {token, item % groups * a.kv_per_item, a.token_lens[token],
+          a.block_tables + a.token_rows[token] * a.table_stride};
+}
+
+// Items [begin, end) of 64-dim heads through attend_heads64
 template <typename QueryT, typename CacheT>
-static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
+static void register_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
+  constexpr int64_t D = 64;
+  const int64_t G = a.num_heads / a.num_kv_heads, nkv = a.kv_per_item;
+  const auto* query = static_cast<const QueryT*>(a.query);
+  const auto* keys = static_cast<const CacheT*>(a.key_cache);
+  const auto* values = static_cast<const CacheT*>(a.value_cache);
+  auto* result = static_cast<QueryT*>(a.out);
+  std::vector<float> weights;
+  for (int64_t k = begin; k < end; ++k) {
+    const Item it = item_at(a, k);
+    weights.resize(3 * it.length);
+    for (int64_t kv = it.kv0; kv < it.kv0 + nkv; ++kv)
+      for (int64_t h0 = 0; h0 < G; h0 += 3) {  // query heads kv * G + h0 ..., 3 at a time
+        const QueryT* query_rows[3];
+        QueryT* out_rows[3];
+        const int64_t count = std::min<int64_t>(3, G - h0);
+        for (int64_t h = 0; h < count; ++h) {
+          query_rows[h] = query + it.token * a.query_stride + (kv * G + h0 + h) * D;
+          out_rows[h] = result + (it.token * a.num_heads + kv * G + h0 + h) * D;
+        }
+        // the item's first pass touches its every KV head's rows (a slot's heads are
+        // contiguous); the later passes find them in the L2 cache
+        const int64_t touched = kv == it.kv0 && h0 == 0 ? nkv : 0;
+        auto* attend = count == 3   ? attend_heads64<3, QueryT, CacheT>
+                       : count == 2 ? attend_heads64<2, QueryT, CacheT>
+                                    : attend_heads64<1, QueryT, CacheT>;
+        attend(a, keys, values, it.table, it.length, kv, touched, query_rows, out_rows,
+               weights.data());
+      }
+  }
+}
+
+// Items [begin, end) of any head size: a block of rows widened into a buffer at a time
+template <typename QueryT, typename CacheT>
+static void buffer_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
   const int64_t G = a.num_heads / a.num_kv_heads, D = a.head_dim, nkv = a.kv_per_item;
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
   const int64_t heads = nkv * G;  // an item's query heads
@@ -319,36 +368,11 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
   const auto* keys = static_cast<const CacheT*>(a.key_cache);
   const auto* values = static_cast<const CacheT*>(a.value_cache);
   auto* result = static_cast<QueryT*>(a.out);
-  const int64_t groups = a.num_kv_heads / nkv;
-  const int64_t num_items = a.num_tokens * groups;
   const int64_t stride = nkv * Dp;  // from a position's row of a head to the next position's
   for (int64_t k = begin; k < end; ++k) {
-    const int64_t item = k % 2 == 0 ? k / 2 : num_items - 1 - k / 2;
-    const int64_t token = item / groups, kv0 = item % groups * nkv;
-    const int64_t length = a.token_lens[token];
-    const int32_t* table = a.block_tables + a.token_rows[token] * a.table_stride;
-    if (D == 64 && !std::is_same<CacheT, Fp16>::value) {
-      weights.resize(3 * length);
-      for (int64_t kv = kv0; kv < kv0 + nkv; ++kv)
-        for (int64_t h0 = 0; h0 < G; h0 += 3) {  // query heads kv * G + h0 ..., 3 at a time
-          const QueryT* query_rows[3];
-          QueryT* out_rows[3];
-          const int64_t count = std::min<int64_t>(3, G - h0);
-          for (int64_t h = 0; h < count; ++h) {
-            query_rows[h] = query + token * a.query_stride + (kv * G + h0 + h) * D;
-            out_rows[h] = result + (token * a.num_heads + kv * G + h0 + h) * D;
-          }
-          // the item's first pass touches its every KV head's rows (a slot's heads are
-          // contiguous); the later passes find them in the L2 cache
-          const int64_t touched = kv == kv0 && h0 == 0 ? nkv : 0;
-          auto* attend = count == 3   ? attend_heads64<3, QueryT, CacheT>
-                         : count == 2 ? attend_heads64<2, QueryT, CacheT>
-                                      : attend_heads64<1, QueryT, CacheT>;
-          attend(a, keys, values, table, length, kv, touched, query_rows, out_rows,
-                 weights.data());
-        }
-      continue;
-    }
+    const Item it = item_at(a, k);
+    const int64_t token = it.token, kv0 = it.kv0, length = it.length;
+    const int32_t* table = it.table;
     // head h of the item is query head kv0 * G + h, of KV head kv0 + h / G
     for (int64_t h = 0; h < heads; ++h) {
       const QueryT* q = query + token * a.query_stride + (kv0 * G + h) * D;
@@ -421,6 +445,14 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
         o[d] = from_float<QueryT>(out[h * Dp + lane_of(d, D)] / totals[h]);
     }
   }
+}
+
+template <typename QueryT, typename CacheT>
+static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
+  if (a.head_dim == 64 && !std::is_same<CacheT, Fp16>::value)
+    register_items<QueryT, CacheT>(a, begin, end);
+  else
+    buffer_items<QueryT, CacheT>(a, begin, end);
 }
 
 static void fixed_order_run(const FixedOrderArgs& a, int64_t begin, int64_t end) {
