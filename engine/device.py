@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -32,6 +34,21 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def cpu_code_tag() -> str:
+    """A name for the machine code this process compiles for its CPU, e.g.
+    ``x86_64-avx512-1f0c2a9b``: the architecture, torch's vector capability (the widest the CPU
+    has, or what ``ATEN_CPU_CAPABILITY`` caps it to) and a hash of both with the CPU's flags.
+    Inductor builds its C++ for the vector width it picked and with ``-march=native``, but keys
+    its on-disk caches by neither: code read back on another CPU kind (a cache volume that
+    follows a pod to another node, or the same machine run with another capability) runs
+    vectors of the wrong width (writes past its buffers) or instructions the CPU lacks. Caches
+    kept under this name are shared only by machines that compile the same code."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    identity = " ".join([platform.machine(), capability, *sorted(cpu_flags())])
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
+    return f"{platform.machine()}-{capability}-{digest}"
 
 
 @functools.lru_cache(maxsize=1)

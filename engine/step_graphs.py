@@ -55,6 +55,7 @@ import torch
 from torch import nn
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from engine.device import cpu_code_tag
 from engine.model_resolver import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -112,12 +113,13 @@ def python_wrapper_needed(stack: nn.Module) -> str:
 
 
 def _set_cache_dir() -> None:
-    """Points inductor's on-disk caches at the splitfuse cache, unless the user chose a place
-    (importing torch._dynamo already sets the variable to inductor's default: that one is not
-    a choice)."""
+    """Points inductor's on-disk caches at the splitfuse cache, one folder per CPU kind
+    (``cpu_code_tag``: inductor's caches do not tell one CPU's code from another's), unless the
+    user chose a place (importing torch._dynamo already sets the variable to inductor's
+    default: that one is not a choice)."""
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "compile")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "compile" / cpu_code_tag())
 
 
 def resident_mib() -> float:

@@ -9,6 +9,7 @@ rule of ``parity_helpers``, and no step compiles anything after start-up.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -374,3 +375,22 @@ def test_default_model_compiled_in_float32_answers(default_model_dir) -> None:
     )
     answer = llm.generate(question, SamplingParams(temperature=0.0, max_tokens=24))
     assert "Paris" in answer[0].outputs[0].text
+
+
+def test_compiler_caches_go_under_the_cpu_kinds_folder(tmp_path, monkeypatch) -> None:
+    """Inductor's caches live in ``$SPLITFUSE_CACHE/compile/<CPU kind>`` (its own keys do not
+    tell CPU kinds apart); a place the user chose is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from engine.device import cpu_code_tag
+
+    monkeypatch.setenv("SPLITFUSE_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    step_graphs._set_cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / cpu_code_tag())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    step_graphs._set_cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / cpu_code_tag())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    step_graphs._set_cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,29 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         device_module.resolve_attention_backend("triton", cpu)
+
+
+def test_compiled_code_is_named_by_the_cpu_it_runs_on(monkeypatch) -> None:
+    """Compiler caches are kept per CPU kind: another set of CPU flags or another vector
+    capability (``ATEN_CPU_CAPABILITY``) names another folder."""
+    tag = device_module.cpu_code_tag()
+    assert tag.startswith(
+        f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability().lower()}-"
+    )
+    monkeypatch.setattr(device_module, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
+    other_flags = device_module.cpu_code_tag()
+    assert other_flags != tag
+    monkeypatch.setattr(device_module, "cpu_flags", lambda: frozenset({"avx2", "sse2"}))
+    assert device_module.cpu_code_tag() == other_flags  # the flags' order does not matter
+    script = "from engine.device import cpu_code_tag\nprint(cpu_code_tag())\n"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    capped = result.stdout.strip()
+    assert capped.startswith(f"{platform.machine()}-default-")
+    assert (capped == tag) == ("-default-" in tag)
 
 
 # -- KV-cache sizing ------------------------------------------------------------------------
