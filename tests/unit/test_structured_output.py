@@ -37,6 +37,23 @@ def grammar_tokenizer(tiny_llama_dir) -> GrammarTokenizer:
     return GrammarTokenizer(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
 
 
+def test_llguidance_tokenizer_is_built_once_on_first_use(tiny_llama_dir) -> None:
+    """A server without structured outputs never builds llguidance's token tables; the first
+    grammar builds them once, however many threads ask at the same time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    lazy = GrammarTokenizer(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    assert lazy._llg is None
+    with ThreadPoolExecutor(4) as pool:
+        built = list(pool.map(lambda _: lazy.llg, range(8)))
+    assert all(llg is built[0] for llg in built)
+    lazy.check(JSON)
+    assert lazy.llg is built[0]
+
+
 @pytest.mark.parametrize(
     ("structured", "words"),
     [
