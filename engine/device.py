@@ -6,6 +6,7 @@ import functools
 import hashlib
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -72,6 +73,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_runs_bf16() else torch.float32
+
+
+def leave_triton_unloaded(device_name: str, attention_backend: str) -> bool:
+    """Keeps the Triton package out of a process that serves on a CPU with the torch backend,
+    where nothing runs a Triton kernel: torch's compiler imports the package whenever it is
+    installed (``torch._dynamo.utils`` registers ``triton.language.dtype`` as a constant type),
+    and loading it maps libtriton, ~67 MiB resident and ~0.15 s of start-up for nothing. The
+    package is marked absent (``sys.modules["triton"] = None``: importing it raises ImportError,
+    which torch reads as "not installed"). Call it before torch's compiler is imported; it does
+    nothing where a GPU or the Triton backend may need the package, or once it is loaded.
+    Returns whether it marked it."""
+    if "triton" in sys.modules:
+        return False
+    try:
+        device = resolve_device(device_name)
+        backend = resolve_attention_backend(attention_backend, device)
+    except (RuntimeError, ValueError):  # the engine reports these at start-up
+        return False
+    if device.type != "cpu" or backend != "torch":
+        return False
+    sys.modules["triton"] = None  # type: ignore[assignment]
+    return True
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

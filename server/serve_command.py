@@ -180,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from engine.device import leave_triton_unloaded
+
+    leave_triton_unloaded(config.engine.device, config.engine.attention_backend)
     from engine.tensor_parallel.distributed import torchrun_environment
 
     torchrun = torchrun_environment()

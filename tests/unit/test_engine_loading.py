@@ -213,6 +213,30 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch) -> None:
         device_module.resolve_attention_backend("triton", cpu)
 
 
+def test_a_cpu_server_leaves_triton_unloaded_and_still_compiles() -> None:
+    """Serving on a CPU with the torch backend keeps the Triton package out of the process
+    (torch's compiler would load it, ~67 MiB, though nothing runs it), and torch.compile still
+    makes C++ code there; a GPU or the Triton backend keeps it; once loaded, it stays."""
+    script = (
+        "import sys, torch\n"
+        "from engine.device import leave_triton_unloaded\n"
+        "assert not leave_triton_unloaded('cpu', 'triton')\n"
+        "assert 'triton' not in sys.modules\n"
+        "assert leave_triton_unloaded('cpu', 'auto')\n"
+        "assert not leave_triton_unloaded('cpu', 'auto')\n"
+        "f = torch.compile(lambda x: torch.nn.functional.silu(x) * 2 + 1)\n"
+        "x = torch.randn(64)\n"
+        "torch.testing.assert_close(f(x), torch.nn.functional.silu(x) * 2 + 1)\n"
+        "assert sys.modules['triton'] is None\n"
+        "assert 'libtriton' not in open('/proc/self/maps').read()\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_compiled_code_is_named_by_the_cpu_it_runs_on(monkeypatch) -> None:
     """Compiler caches are kept per CPU kind: another set of CPU flags or another vector
     capability (``ATEN_CPU_CAPABILITY``) names another folder."""
