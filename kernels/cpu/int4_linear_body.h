@@ -107,6 +107,15 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
         for (int v = 0; v < kVecs; ++v) dot[r][c][v] = (vint){};
     for (int step = 0; step < kRun / 8; ++step) {
       const int64_t k8 = run * (kRun / 8) + step;
+      // One or two rows wait on the weight's bytes, and the hardware prefetcher starts over
+      // on every call's (and thread's) few kilobytes: the CB blocks after these (contiguous
+      // with them) are asked for into the L2 cache, 64 bytes per block per step, so the next
+      // tile's bytes arrive while this one multiplies (a prefetch past the weight's end never
+      // faults). The default model's 120 products of one row, alternated in one process:
+      // 5.39 -> 4.89 ms and 3.75 -> 3.49 ms (-7 to -9%); no number changes.
+      if constexpr (ROWS <= 2)
+        for (int c = 0; c < CB; ++c)
+          __builtin_prefetch(packed + CB * block_bytes + (k8 * CB + c) * 64, 0, 2);
       vbyte low[CB][kVecs], high[CB][kVecs];
       for (int c = 0; c < CB; ++c)
         for (int v = 0; v < kVecs; ++v) {
