@@ -4,7 +4,7 @@
 //   score(q, p)  = sum over head_dim in 16 fixed lanes (lane l adds the dims widened to l,
 //                  l + 16, ... (lane_of) with fused multiply-adds), the lanes added as a fixed
 //                  tree (lane_trees16), times the scale
-//   weight(q, p) = exp(score - max score): a polynomial of fused multiply-adds (exp_nonpositive)
+//   weight(q, p) = exp(score - max score): a polynomial of fused multiply-adds (exp16_nonpositive)
 //   sum          = position p's weight added into lane p % 16, one position after another, the
 //                  lanes then added as a fixed tree (lane_tree)
 //   out(q)       = per dim, weight * value added one position after another, then / sum
@@ -12,33 +12,14 @@
 // std::fma), so a vectorized loop and its scalar remainder give the same bits, and so do the
 // AVX-512, AVX2 and plain builds.
 
-static inline float exp_nonpositive(float x) {
-  // exp(x) for x <= 0, within ~1 ulp; 0 below -87.3 (where exp leaves the normal floats).
-  const float clamped = x < -87.3f ? -87.3f : x;
-  const float shifted = std::fma(clamped, 1.44269504088896341f, 12582912.0f);  // round to integer
-  const float n = shifted - 12582912.0f;
-  float r = std::fma(n, -0.693359375f, clamped);  // x - n ln 2, in two parts
-  r = std::fma(n, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  const float r2 = r * r;
-  const float y = std::fma(p, r2, r) + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
-  float power;
-  __builtin_memcpy(&power, &bits, sizeof power);
-  return x < -87.3f ? 0.0f : y * power;
-}
-
-// exp_nonpositive in 16 lanes: the same operations, so each lane gives the scalar's bits
+// exp(x) per lane for x <= 0, within ~1 ulp; 0 below -87.3 (where exp leaves the normal
+// floats). A lane's result depends on that lane alone.
 static inline v16 exp16_nonpositive(v16 x) {
   typedef int32_t vi16 __attribute__((vector_size(64)));
   const v16 low = v16{} - 87.3f;
   const vi16 below = x < low;
   const v16 clamped = below ? low : x;
+  // x / ln 2 rounded to an integer n, then r = x - n ln 2 (ln 2 in two parts)
   const v16 shifted = fma16(clamped, v16{} + 1.44269504088896341f, v16{} + 12582912.0f);
   const v16 n = shifted - 12582912.0f;
   v16 r = fma16(n, v16{} - 0.693359375f, clamped);
@@ -51,7 +32,7 @@ static inline v16 exp16_nonpositive(v16 x) {
   p = fma16(p, r, v16{} + 5.0000001201e-1f);
   const v16 r2 = r * r;
   const v16 y = fma16(p, r2, r) + 1.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;  // 2^n, n in [-126, 0]
   v16 power;
   __builtin_memcpy(&power, &bits, sizeof power);
   return below ? v16{} : y * power;
@@ -217,12 +198,14 @@ static inline float exponentiate(float* w, int64_t length) {
     store16(w + p, e);
     total = total + e;
   }
-  v16 tail = {};
-  for (int64_t p = whole; p < length; ++p) {
-    w[p] = exp_nonpositive(w[p] - top);
-    tail[p - whole] = w[p];
+  if (whole < length) {  // the last positions in lanes 0 ..; the other lanes' exp is 0
+    v16 tail = v16{} - INFINITY;
+    for (int64_t p = whole; p < length; ++p) tail[p - whole] = w[p] - top;
+    tail = exp16_nonpositive(tail);
+    for (int64_t p = whole; p < length; ++p) w[p] = tail[p - whole];
+    total = total + tail;
   }
-  return lane_tree(total + tail);
+  return lane_tree(total);
 }
 
 constexpr int64_t kAhead = 2 * kBlock;  // positions between a touch (touch_block) and its read
