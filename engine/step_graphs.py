@@ -21,7 +21,10 @@ process, 2 cores). A product that needs an opaque packed weight (float32, or bfl
 one token that fails to compile leaves one-token steps to the other graph's form. Once compiled,
 it is called directly (``DirectGraph``: without the compiler's guards and the bytecode that
 gathers every weight each step, ~0.5 ms of a one-stream step), the compiler's path taken only by
-a step whose inputs it does not fit.
+a step whose inputs it does not fit; under the C++ wrapper, through its C++ entry point, which
+holds the weights (``splitfuse_cpu.GraphCall``, ``kernels/cpu/graph_call.cpp``): a step hands
+over its ~10 own arguments instead of ~440 made into handles by Python (~0.15 ms of a one-stream
+int4 step of ~6.3 ms, alternated step by step in one process).
 
     start()  -> mode "compiling": a thread compiles both graphs on dummy steps (over a scratch
                 KV cache of two blocks), while every step runs the eager forward
@@ -42,6 +45,8 @@ only makes steps faster once it is done. ``wait()`` blocks until it is (offline 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import inspect
 import logging
 import os
@@ -178,6 +183,34 @@ class _GraphRecorder:
         return compiled
 
 
+# ``void inductor_entry_impl(AtenTensorHandle* inputs, AtenTensorHandle* outputs)``, the function
+# of a graph's shared library that inductor's Python binding of its C++ wrapper calls
+_ENTRY_SYMBOL = "_Z19inductor_entry_implPP16AtenTensorOpaqueS1_"
+
+
+def _inductor_graph(compiled: Callable[..., Any]) -> Any:
+    """The graph inductor made (``CompiledFxGraph``) inside the callable ``compile_fx`` returns
+    (the AOT dispatcher's wrappers around it), or None."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    found, pending, seen = [], [compiled], set()
+    while pending and len(seen) < 100:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, CompiledFxGraph):
+            found.append(item)
+            continue
+        for name in ("compiled_fn", "__wrapped__"):
+            if getattr(item, name, None) is not None:
+                pending.append(getattr(item, name))
+        for cell in getattr(item, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell has no contents
+                pending.append(cell.cell_contents)
+    return found[0] if len(found) == 1 else None
+
+
 class DirectGraph:
     """The compiled graph of one token called without the compiler's frame evaluation: its
     guards, the bytecode that gathers its ~200 arguments (every weight) from the module tree
@@ -205,10 +238,13 @@ class DirectGraph:
         Raises ValueError where an argument is not one this class can read."""
         self.compiled = compiled
         self.arguments: list[Any] = []  # the module's arguments; the step's filled in per call
+        # (index of the argument, its reader) of each of the step's arguments
         self.readers: list[tuple[int, Callable[[dict[str, Any]], Any]]] = []
-        # (index, dtype, device, rank, ((dim, size) of each constant size)) per step tensor
-        self.tensors: list[tuple[int, torch.dtype, torch.device, int, tuple]] = []
-        self.sizes: list[int] = []  # indices of the step's dynamic sizes
+        # positions in ``readers`` of the step's tensors, and (dtype, device, rank, ((dim, size)
+        # of each constant size)) of each as traced
+        self.tensor_positions: list[int] = []
+        self.tensor_checks: list[tuple[torch.dtype, torch.device, int, tuple]] = []
+        self.size_positions: list[int] = []  # positions in ``readers`` of its dynamic sizes
         for index, source in enumerate(sources):
             if source is None or not source.startswith("L['"):
                 raise ValueError(f"argument {index} of the graph comes from {source}")
@@ -223,7 +259,6 @@ class DirectGraph:
                 raise ValueError(f"argument {index} of the graph comes from {source}")
             value = reader(example)
             self.arguments.append(None)
-            self.readers.append((index, reader))
             if isinstance(value, torch.Tensor):
                 if not value.is_contiguous():
                     raise ValueError(f"{source} is not contiguous")
@@ -232,20 +267,24 @@ class DirectGraph:
                     for dim, size in enumerate(value.shape)
                     if f"{source}.size()[{dim}]" not in sources
                 )
-                self.tensors.append((index, value.dtype, value.device, value.dim(), constant))
+                self.tensor_positions.append(len(self.readers))
+                self.tensor_checks.append((value.dtype, value.device, value.dim(), constant))
             elif type(value) is int:
-                self.sizes.append(index)
+                self.size_positions.append(len(self.readers))
             else:
                 raise ValueError(f"{source} is a {type(value).__name__}")
+            self.readers.append((index, reader))
+        # the graph's C++ entry point holding the module's arguments (``use_entry_point``)
+        self.entry: Any = None
 
     def __call__(self, **step: Any) -> torch.Tensor | None:
         """The graph's output for this step's arguments (by the forward's names), or None
         where the graph does not fit them."""
-        arguments = list(self.arguments)
-        for index, reader in self.readers:
-            arguments[index] = reader(step)
-        for index, dtype, device, rank, constant in self.tensors:
-            tensor = arguments[index]
+        values = [reader(step) for _, reader in self.readers]
+        tensors = [values[position] for position in self.tensor_positions]
+        for tensor, (dtype, device, rank, constant) in zip(
+            tensors, self.tensor_checks, strict=True
+        ):
             if (
                 tensor.dtype != dtype
                 or tensor.device != device
@@ -254,10 +293,83 @@ class DirectGraph:
                 or any(tensor.shape[dim] != size for dim, size in constant)
             ):
                 return None
-        if any(arguments[index] < 2 for index in self.sizes):
+        sizes = [values[position] for position in self.size_positions]
+        if any(size < 2 for size in sizes):
             return None
-        (output,) = self.compiled(*arguments)
+        if self.entry is not None:
+            (output,) = self.entry.run(tensors, sizes)
+            return output
+        (output,) = self.compiled(*self._arguments(values))
         return output
+
+    def _arguments(self, values: list[Any]) -> list[Any]:
+        """Every argument of the graph, the step's ``values`` (in ``readers``' order) in place."""
+        arguments = list(self.arguments)
+        for (index, _), value in zip(self.readers, values, strict=True):
+            arguments[index] = value
+        return arguments
+
+    def use_entry_point(self, example: dict[str, Any]) -> str:
+        """Calls the graph through its C++ entry point from now on, where it has one: inductor
+        compiled it with its C++ wrapper, and the compiled call hands that wrapper the very
+        arguments it was given and returns its one output as it is (checked on ``example``).
+        Returns why not ("" where it does)."""
+        from kernels.cpu_ops import load
+
+        graph = _inductor_graph(self.compiled)
+        if graph is None:
+            return "no inductor graph found in the compiled function"
+        wrapper = graph.current_callable
+        module = getattr(wrapper, "__globals__", {})
+        entry = module.get("inductor_entry")
+        if module.get("call") is not wrapper or entry is None:
+            return "the graph has no C++ entry point"
+        library = getattr(getattr(entry, "__self__", None), "__file__", None)
+        if not library:
+            return "the graph's C++ entry point is in no shared library"
+        if any(
+            argument is not None and not isinstance(argument, torch.Tensor)
+            for argument in self.arguments
+        ):
+            return "the module gives the graph an argument that is not a tensor"
+        # what the compiled call hands the C++ wrapper, and what it makes of its output
+        seen: dict[str, Any] = {}
+
+        def recorded(arguments: list[Any]) -> Any:
+            seen["arguments"] = list(arguments)
+            seen["outputs"] = wrapper(arguments)
+            return seen["outputs"]
+
+        graph.current_callable = recorded
+        try:
+            with torch.inference_mode():
+                output = self(**example)
+        finally:
+            graph.current_callable = wrapper
+        given = self._arguments([reader(example) for _, reader in self.readers])
+        handed = seen.get("arguments", [])
+        if len(handed) != len(given) or any(
+            a is not b if isinstance(b, torch.Tensor) else a != b
+            for a, b in zip(handed, given, strict=False)
+        ):
+            return "the compiled call does not hand the wrapper its own arguments"
+        outputs = seen["outputs"]
+        if len(outputs) != 1 or outputs[0] is not output:
+            return "the compiled call changes the wrapper's output"
+        if load() == "torch":
+            return "the C++ operators are not built"
+        try:
+            address = ctypes.cast(ctypes.CDLL(library)[_ENTRY_SYMBOL], ctypes.c_void_p).value
+        except (OSError, AttributeError) as error:
+            return f"no entry point in {library} ({error})"
+        self.entry = torch.classes.splitfuse_cpu.GraphCall(
+            address,
+            self.arguments,
+            [self.readers[position][0] for position in self.tensor_positions],
+            [self.readers[position][0] for position in self.size_positions],
+            1,
+        )
+        return ""
 
 
 def compiling_in_background() -> bool:
@@ -459,6 +571,16 @@ class StepGraphs:
                 "output; it runs through the compiler"
             )
             return None
+        if self._single_graphs.config_patches.get("cpp_wrapper"):
+            why = direct.use_entry_point(example)
+            if not why:
+                with torch.inference_mode():
+                    output = direct(**example)
+                if output is None or not torch.equal(output, traced):
+                    why = "its output through the entry point is not the traced one"
+            if why:
+                direct.entry = None
+                logger.info("compile: the graph of one token is called from Python (%s)", why)
         return direct
 
     @staticmethod

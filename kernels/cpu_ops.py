@@ -9,7 +9,9 @@ install`` builds them, later imports load the cached library):
   PyTorch products in a fixed order instead: ``has_fixed_order_attention``);
 - ``splitfuse_cpu::blocked_linear``, the product of a few bfloat16 rows with a weight in oneDNN's
   blocked layout, on CPUs with AVX-512 BF16 (``engine/packed_linear.py``; elsewhere, or without a
-  compiler, oneDNN runs every product: ``has_blocked_linear``).
+  compiler, oneDNN runs every product: ``has_blocked_linear``);
+- ``splitfuse_cpu.GraphCall``, a class that calls a graph compiled under inductor's C++ wrapper
+  through its entry point, holding the arguments that never change (``engine/step_graphs.py``).
 
 ``quant_linear(x, qweight, scales, group_size)``: x [M, K] float32 or bfloat16 times an 8-bit
 weight [N, K] (layouts in ``engine/quantization.py``), dequantized and transposed -> [M, N] float32.
@@ -52,6 +54,7 @@ def _build() -> str:
             str(_SOURCE_DIR / "fixed_order_attention.cpp"),
             str(_SOURCE_DIR / "blocked_linear.cpp"),
             str(_SOURCE_DIR / "int4_linear.cpp"),
+            str(_SOURCE_DIR / "graph_call.cpp"),
         ],
         extra_include_paths=[str(_SOURCE_DIR)],
         extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"],

@@ -253,22 +253,29 @@ def test_one_token_steps_take_the_plan_as_tensors(tiny_llama_dir, monkeypatch, d
     assert calls == [1] * 9
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("bfloat16", "none"), ("float32", "none"), ("float32", "int4")]
+)
 def test_the_graph_of_one_token_called_directly_is_the_compilers(
-    tiny_llama_dir, monkeypatch, dtype
+    tiny_llama_dir, monkeypatch, dtype, quantization
 ) -> None:
-    """Once compiled, the graph of one token is called without the compiler's frame evaluation:
-    its logits are, bit for bit, those of the compiler's path on the same step (contexts across
-    many blocks, so the tables' width changes), and a step whose tensors the graph was not traced
-    for (int32 token ids) is refused, to go through the compiler."""
+    """Once compiled, the graph of one token is called without the compiler's frame evaluation,
+    from C++ through its entry point where inductor's C++ wrapper runs it (always with int4
+    products; never where a product needs oneDNN's packed weight): its logits are, bit for bit,
+    those of the compiler's path on the same step (contexts across many blocks, so the tables'
+    width changes), and a step whose tensors the graph was not traced for (int32 token ids) is
+    refused, to go through the compiler."""
     from kernels.cpu_ops import has_fixed_order_attention
 
     if not has_fixed_order_attention():
         pytest.skip("the C++ operators are not built here")
-    engine = _engine(tiny_llama_dir, dtype=dtype, compile=True)
+    engine = _engine(tiny_llama_dir, dtype=dtype, compile=True, quantization=quantization)
     graphs = engine.runner.graphs
     direct = graphs.direct
     assert direct is not None
+    needs_python = step_graphs.python_wrapper_needed(engine.runner.model.model)
+    assert (direct.entry is None) == bool(needs_python)
+    assert quantization == "none" or direct.entry is not None
     direct_calls = 0
 
     def counted(**step):
@@ -303,6 +310,28 @@ def test_the_graph_of_one_token_called_directly_is_the_compilers(
     while engine.has_unfinished_requests():
         engine.step()
     assert compared == direct_calls == 39
+
+
+def test_graph_call_refuses_arguments_that_do_not_fit() -> None:
+    """``splitfuse_cpu.GraphCall`` (a graph's C++ entry point with its fixed arguments) refuses
+    slots out of range, given twice or left unset, and a step with the wrong count of tensors or
+    sizes, before it calls anything (the address is never called here)."""
+    from kernels.cpu_ops import has_fixed_order_attention
+
+    if not has_fixed_order_attention():
+        pytest.skip("the C++ operators are not built here")
+    GraphCall = torch.classes.splitfuse_cpu.GraphCall
+    weight = torch.ones(4)
+    for tensor_slots, size_slots in (([1], [3]), ([1], [1]), ([], [2]), ([0, 1], [2])):
+        with pytest.raises(RuntimeError, match="GraphCall"):
+            GraphCall(1, [weight, None, None], tensor_slots, size_slots, 1)
+    with pytest.raises(RuntimeError, match="no entry point"):
+        GraphCall(0, [weight, None, None], [1], [2], 1)
+    call = GraphCall(1, [weight, None, None], [1], [2], 1)
+    with pytest.raises(RuntimeError, match="2 tensors for 1 slots"):
+        call.run([weight, weight], [3])
+    with pytest.raises(RuntimeError, match="0 sizes for 1 slots"):
+        call.run([weight], [])
 
 
 def test_a_one_token_graph_that_fails_leaves_the_other_form(
