@@ -424,8 +424,12 @@ class StepGraphs:
                 why = python_wrapper_needed(model.model)
                 if why:
                     logger.info("compile: the graph of one token keeps a Python wrapper (%s)", why)
-                # one whole graph (``DirectGraph`` calls it in place of the forward)
-                self._single_graphs = _GraphRecorder({} if why else {"cpp_wrapper": True})
+                # one whole graph (``DirectGraph`` calls it in place of the forward, checking
+                # the step's tensors; the weights never change): without inductor's checks of
+                # every argument's and extern output's sizes and strides (~440 a step)
+                self._single_graphs = _GraphRecorder(
+                    {} if why else {"cpp_wrapper": True, "size_asserts": False}
+                )
                 self._single = torch.compile(
                     _own_forward(model.model),
                     dynamic=True,
