@@ -23,8 +23,8 @@ it is called directly (``DirectGraph``: without the compiler's guards and the by
 gathers every weight each step, ~0.5 ms of a one-stream step), the compiler's path taken only by
 a step whose inputs it does not fit; under the C++ wrapper, through its C++ entry point, which
 holds the weights (``splitfuse_cpu.GraphCall``, ``kernels/cpu/graph_call.cpp``): a step hands
-over its ~10 own arguments instead of ~440 made into handles by Python (~0.15 ms of a one-stream
-int4 step of ~6.3 ms, alternated step by step in one process).
+over its ~10 own arguments instead of ~440 (int4 weights) made into handles by Python (~0.15 ms
+of a one-stream int4 step of ~6.3 ms, alternated step by step in one process).
 
     start()  -> mode "compiling": a thread compiles both graphs on dummy steps (over a scratch
                 KV cache of two blocks), while every step runs the eager forward
@@ -213,11 +213,12 @@ def _inductor_graph(compiled: Callable[..., Any]) -> Any:
 
 class DirectGraph:
     """The compiled graph of one token called without the compiler's frame evaluation: its
-    guards, the bytecode that gathers its ~200 arguments (every weight) from the module tree
-    each step, the stance's context manager (~0.5 ms of a one-stream decode step of ~10-12 ms on
-    the default model, 2 cores, bfloat16 and int4 alike). The arguments rooted in the module
-    (weights, buffers) are gathered once; each call reads the step's own (token ids, positions,
-    the plan's tensors, their dynamic sizes) through the sources the compiler recorded.
+    guards, the bytecode that gathers its ~200 (bfloat16) to ~440 (int4) arguments (every
+    weight) from the module tree each step, the stance's context manager (~0.5 ms of a
+    one-stream decode step of ~10-12 ms on the default model, 2 cores, bfloat16 and int4
+    alike). The arguments rooted in the module (weights, buffers) are gathered once; each call
+    reads the step's own (token ids, positions, the plan's tensors, their dynamic sizes) through
+    the sources the compiler recorded.
 
     What the compiler's guards check of those, this checks too, or the call returns None and the
     step takes the compiler's path: each tensor's dtype, device, rank and contiguity as traced,
