@@ -58,7 +58,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from engine.device import cpu_code_tag
 from engine.model_resolver import cache_dir
@@ -122,6 +121,8 @@ def _set_cache_dir() -> None:
     (``cpu_code_tag``: inductor's caches do not tell one CPU's code from another's), unless the
     user chose a place (importing torch._dynamo already sets the variable to inductor's
     default: that one is not a choice)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "compile" / cpu_code_tag())

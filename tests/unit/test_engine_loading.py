@@ -237,6 +237,26 @@ def test_a_cpu_server_leaves_triton_unloaded_and_still_compiles() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_an_eager_engine_leaves_the_compiler_unimported(tiny_llama_dir) -> None:
+    """An engine that does not compile (``compile=False``, ``--no-compile``) never imports
+    torch's compiler: importing inductor and dynamo alone costs ~25 MiB resident and ~0.3 s,
+    for nothing such an engine runs."""
+    script = (
+        "import sys\n"
+        "from engine import LLM\n"
+        "from scheduler.sampling_params import SamplingParams\n"
+        f"llm = LLM(model={str(tiny_llama_dir)!r}, compile=False)\n"
+        "out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=3))\n"
+        "assert len(out[0].outputs[0].token_ids) == 3\n"
+        "loaded = [name for name in ('torch._inductor', 'torch._dynamo') if name in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_compiled_code_is_named_by_the_cpu_it_runs_on(monkeypatch) -> None:
     """Compiler caches are kept per CPU kind: another set of CPU flags or another vector
     capability (``ATEN_CPU_CAPABILITY``) names another folder."""
