@@ -151,7 +151,8 @@ class EngineConfig(BaseModel):
         False,
         description="compile the step graphs (CPU, torch backend, one process): in the "
         "background from start-up, steps run eagerly until they are ready (about a minute for "
-        "the default model on 2 cores)",
+        "the default model on 2 cores); on a GPU (Triton backend, one process), capture CUDA "
+        "graphs of decode steps at start-up",
     )
     num_threads: int | None = Field(None, ge=1, description="CPU threads (default: all cores)")
     scheduling_policy: Literal["fcfs", "priority"] = Field(

@@ -146,6 +146,8 @@ class LLMEngine:
             quantization=quantization,
             state_dict=None if in_memory is None else in_memory.state_dict,
             deterministic=config.deterministic,
+            # a decode step has a token per row, within both step limits
+            max_decode_rows=min(config.max_batch_seqs, config.max_batch_tokens),
         )
         self.executor = start_executor(
             config.tensor_parallel_size, runner_kwargs, config.num_threads

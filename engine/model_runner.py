@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from engine.config import QuantizationConfig
+from engine.cuda_graphs import DecodeGraphs, capture_sizes, cuda_graphs_unsupported
 from engine.gguf_quantized import read_quantized_file
 from engine.input_builder import ModelInput, build_model_input, pad_to_two_tokens
 from engine.kv_cache_memory import (
@@ -79,12 +80,14 @@ class ModelRunner:
         quantization: QuantizationConfig | None = None,
         state_dict: Mapping[str, torch.Tensor] | None = None,
         deterministic: bool = False,
+        max_decode_rows: int = 1,
     ) -> None:
         """The weights come from ``model_dir``'s files or, for a model already in this process
         (``engine.inference``), from ``state_dict`` (tensors by Hugging Face name; ``model_dir``
         is then None). ``quantization``: resolved (none, int8 or int4; see
         ``resolve_quantization``); ``deterministic``: a request's logits do not depend on the
-        batch (see README)."""
+        batch (see README); ``compile``: compiled step graphs on a CPU, CUDA graphs of decode
+        steps of up to ``max_decode_rows`` rows on a GPU."""
         if (model_dir is None) == (state_dict is None):
             raise ValueError("give the weights as model_dir or as state_dict, not both or neither")
         self.model_config = model_config
@@ -155,21 +158,34 @@ class ModelRunner:
                 module.pack_weights()  # on a CPU: oneDNN layout, once
                 if deterministic and isinstance(module, MatmulLayer):  # MoE is refused
                     module.set_deterministic()
-        unsupported = compile_unsupported(device, attention_backend, parallel.world_size)
-        if deterministic and not unsupported:
-            unsupported = deterministic_compile_unsupported(self.model.model)
-        # Deterministic mode: inductor's graph of one token sums a row in another order than
-        # the graph of two and up (whose order does not depend on the step's size), so a
-        # one-token step runs padded to two; and every step runs the same code, so requests wait
-        # for the graphs instead of running eagerly while they compile.
-        self.pad_single_token = deterministic
-        self.graphs = StepGraphs(
-            self.model,
-            compile,
-            unsupported,
-            single_token_graph=not deterministic,
-            operator_step=self.backend.operator_step,
-        )
+        self.pad_single_token = False
+        self.graphs: StepGraphs | DecodeGraphs
+        if device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                self.kv_cache,
+                capture_sizes(max_decode_rows),
+                max_model_len,
+                compile,
+                cuda_graphs_unsupported(device, attention_backend, parallel.world_size),
+            )
+        else:
+            unsupported = compile_unsupported(device, attention_backend, parallel.world_size)
+            if deterministic and not unsupported:
+                unsupported = deterministic_compile_unsupported(self.model.model)
+            # Deterministic mode: inductor's graph of one token sums a row in another order
+            # than the graph of two and up (whose order does not depend on the step's size), so
+            # a one-token step runs padded to two; and every step runs the same code, so
+            # requests wait for the graphs instead of running eagerly while they compile.
+            self.pad_single_token = deterministic
+            self.graphs = StepGraphs(
+                self.model,
+                compile,
+                unsupported,
+                single_token_graph=not deterministic,
+                operator_step=self.backend.operator_step,
+            )
         self.graphs.start(self._dummy_step, background=not deterministic)
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)
         # set while profiling: each forward pass and each sampling is timed into it

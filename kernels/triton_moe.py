@@ -105,7 +105,10 @@ def align_pairs(
     expert_of_pair = topk_ids.reshape(-1)
     num_pairs = expert_of_pair.numel()
     order = torch.argsort(expert_of_pair, stable=True)  # pairs by expert
-    counts = torch.bincount(expert_of_pair, minlength=num_experts)  # [num_experts]
+    # [num_experts]; not bincount, whose output size is read back from the device (a sync,
+    # which a CUDA graph cannot hold)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)  # [num_experts]
     padded_start = padded_end - padded

@@ -156,7 +156,8 @@ def register(subparsers: Any) -> None:
         default=None,
         help="compile the step graphs in the background while serving eagerly (default: on; "
         "CPU, torch attention backend, one process; under a minute for the default model on 2 "
-        "cores, then every step shape runs compiled)",
+        "cores, then every step shape runs compiled); on a GPU, capture CUDA graphs of decode "
+        "steps at start-up",
     )
     parser.set_defaults(func=run)
 

@@ -5,7 +5,8 @@
     dtype                                          EngineConfig.dtype (default: the model's)
     tensor_parallel.tp_size (tp; tp_size, mp_size) EngineConfig.tensor_parallel_size
     replace_with_kernel_inject (kernel_inject)     always true: the model runs on our layers
-    enable_cuda_graph                              EngineConfig.compile (the runner's step graphs)
+    enable_cuda_graph                              EngineConfig.compile (CUDA graphs of decode
+                                                   steps on a GPU, compiled step graphs on a CPU)
     quant {enabled, weight: {num_bits, ...}}       EngineConfig.quantization
     max_out_tokens (max_tokens)                    EngineConfig.max_model_len (prompt + output)
     moe {enabled, ep_size, moe_experts, type}      checked against the model's experts
@@ -164,7 +165,8 @@ class InferenceConfig(BaseModel):
         True, validation_alias=AliasChoices("replace_with_kernel_inject", "kernel_inject")
     )
     enable_cuda_graph: bool = Field(
-        False, description="run steps through the runner's compiled step graphs"
+        False,
+        description="replay CUDA graphs of decode steps on a GPU (compiled step graphs on a CPU)",
     )
     quant: QuantizationConfig = Field(default_factory=QuantizationConfig)
     max_out_tokens: int | None = Field(
