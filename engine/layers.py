@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from engine.deterministic_rows import at_least_two_rows, fixed_tiles
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
@@ -166,6 +165,9 @@ class MatmulLayer(QuantizableWeight):
         if self.packed_weight is None:
             return F.linear(x, self.weight, bias)
         if torch.compiler.is_compiling():  # the graph calls the operator (no copy of the weight)
+            # imported here: sympy and the symbolic shapes are ~35 MiB an eager engine never uses
+            from torch.fx.experimental.symbolic_shapes import statically_known_true
+
             # a graph of a fixed row count calls blocked_linear itself (one graph for every
             # row count keeps the operator that picks the kernel at each call)
             if (

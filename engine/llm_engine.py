@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.device import resolve_attention_backend, resolve_device, resolve_dtype
@@ -31,6 +30,7 @@ from engine.quantization import resolve_quantization
 from engine.step_timings import StepTimings
 from engine.structured_output import GrammarTokenizer
 from engine.tensor_parallel.sharding import check_tensor_parallel
+from engine.tokenizer import load_tokenizer
 from kv_cache import KVCacheManager
 from scheduler.batch import BatchRow, ScheduledBatch
 from scheduler.request import Request, RequestStatus
@@ -78,7 +78,7 @@ class LLMEngine:
             model_dir: Path | None = resolve_model(config.model)
             model_config = ModelConfig.from_dir(model_dir)
             model_name = DEFAULT_MODEL if config.model == DEFAULT_MODEL else model_dir.name
-            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+            tokenizer = load_tokenizer(config.tokenizer or model_dir)
         else:
             model_dir = None
             model_config = in_memory.model_config
