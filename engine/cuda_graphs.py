@@ -68,7 +68,7 @@ def cuda_graphs_unsupported(device: torch.device, attention_backend: str, world_
     if device.type != "cuda":
         return "CUDA graphs are for CUDA devices"
     if attention_backend != "triton":
-        return "CUDA graphs need the triton attention backend (the torch one reads sizes back)"
+        return "CUDA graphs need the triton attention backend (the torch one plans on the host)"
     if world_size > 1:
         return "tensor-parallel ranks run the eager forward"
     return ""
