@@ -215,7 +215,7 @@ class DecodeGraphs:
 
     def _replayable(self, input_ids: torch.Tensor, plan: Any) -> int | None:
         """The capture size this step replays, or None where it runs eagerly: not captured (yet),
-        not a decode step, more rows than the largest size, or another cache or device."""
+        not a decode step, more rows than the largest size or wider tables, or another cache."""
         if self.mode != COMPILED:
             return None
         metadata = getattr(plan, "metadata", None)
