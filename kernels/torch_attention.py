@@ -175,12 +175,16 @@ def plan_paged_attention(
     if deterministic and cpu_kernel:
         every = _kernel_tokens(query_start, context_lens, block_tables, num_tokens)
         return AttentionPlan(num_tokens, block_size, num_kv_heads, (), (), deterministic, every)
-    tables = block_tables.long()  # [num_rows, max_blocks_per_row]
-    heads = torch.arange(num_kv_heads, device=tables.device)[:, None]  # [num_kv_heads, 1]
     kernel_tokens = None
     if cpu_kernel and decode_rows:
         kernel_tokens = _decode_kernel_tokens(decode_rows, starts, ctx_lens, block_tables)
         decode_rows = []
+    if not decode_rows and not prompt_rows:  # the C++ operator attends every token
+        return AttentionPlan(
+            num_tokens, block_size, num_kv_heads, (), (), deterministic, kernel_tokens
+        )
+    tables = block_tables.long()  # [num_rows, max_blocks_per_row]
+    heads = torch.arange(num_kv_heads, device=tables.device)[:, None]  # [num_kv_heads, 1]
     groups = tuple(
         _plan_decode_group(
             rows, [starts[row] for row in rows], ctx_lens, tables, block_size, heads, deterministic

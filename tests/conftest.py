@@ -1,6 +1,7 @@
 """Test-wide setup. TRITON_INTERPRET must be set before any @triton.jit function is defined."""
 
 import os
+import sys
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch
@@ -11,6 +12,26 @@ if "TRITON_INTERPRET" not in os.environ:
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A session that ends while a server's step graphs still compile in the background (a
+    server fixture of the last module, a run stopped by -x) leaves with its own exit status, as
+    ``splitfuse serve`` does (``server/runner.py``): the interpreter's exit would crash under the
+    compile thread (SIGSEGV, exit status 139, after every test passed)."""
+    step_graphs = sys.modules.get("engine.step_graphs")
+    if step_graphs is not None and step_graphs.compiling_in_background():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.stash.get(_EXIT_STATUS, 1))
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
 
 
 @pytest.fixture(scope="session")

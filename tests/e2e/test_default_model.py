@@ -34,10 +34,18 @@ def test_model_is_listed_under_its_name(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
 
 
+# "What is the capital of France?" alone is a near tie for the model's first token ("The" against
+# "L", 0.03-0.12 apart in log-probability): 4-bit weights with float32 activations (what ``auto``
+# picks on an AVX2-only CPU) answer "L'Étoile, la Marseillaise,". Asked this way, every token up
+# to "Paris" leads the next by >= 0.36 in float32 and bfloat16, with and without int4, eager and
+# compiled.
+CAPITAL_QUESTION = "What is the capital of France? Reply with the city's name only."
+
+
 def test_chat_answers(client: openai.OpenAI, default_server: ServerThread) -> None:
     result = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[{"role": "user", "content": CAPITAL_QUESTION}],
         max_tokens=12,
         temperature=0,
     )
@@ -46,7 +54,7 @@ def test_chat_answers(client: openai.OpenAI, default_server: ServerThread) -> No
     assert result.choices[0].finish_reason in ("stop", "length")
     tokens = httpx.post(
         default_server.url + "/tokenize",
-        json={"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        json={"messages": [{"role": "user", "content": CAPITAL_QUESTION}]},
     ).json()
     assert result.usage.prompt_tokens == tokens["count"]
 
