@@ -73,7 +73,7 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         backend = resolve_attention_backend(config.attention_backend, device)
-        quantization = resolve_quantization(config.quantization, device, dtype)
+        quantization = resolve_quantization(config.quantization, device)
         if in_memory is None:
             model_dir: Path | None = resolve_model(config.model)
             model_config = ModelConfig.from_dir(model_dir)

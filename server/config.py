@@ -97,7 +97,7 @@ class ServerConfig(BaseModel):
     def _server_defaults(cls, value: Any) -> Any:
         """A server compiles its step graphs unless told not to (``compile: false``): in the
         background, serving eagerly until they are ready. Its quantization is ``auto`` unless
-        given (``engine/quantization.py``: int4 where the CPU has no bfloat16 hardware)."""
+        given (``engine/quantization.py``: int4 on CPUs that run its product natively)."""
         if isinstance(value, Mapping):
             defaults = {"compile": True, "quantization": "auto"}
             aliases = {"quantization": ("quantization", "quant")}

@@ -58,16 +58,15 @@ def test_unsupported_combinations_are_refused_naming_them(given, needle):
     assert needle in str(refused.value)
 
 
-def test_auto_is_int4_where_the_cpu_has_no_bfloat16_hardware_and_never_on_gpus():
+def test_auto_is_int4_on_cpus_with_the_native_product_and_never_on_gpus():
     auto = QuantizationConfig(method="auto")
     cpu = torch.device("cpu")
     native = load() != "torch"
-    assert resolve_quantization(auto, cpu, torch.float32).method == ("int4" if native else "none")
-    assert resolve_quantization(auto, cpu, torch.float32).group_size == (32 if native else None)
-    assert resolve_quantization(auto, cpu, torch.bfloat16).method == "none"
-    assert resolve_quantization(auto, torch.device("cuda"), torch.bfloat16).method == "none"
+    assert resolve_quantization(auto, cpu).method == ("int4" if native else "none")
+    assert resolve_quantization(auto, cpu).group_size == (32 if native else None)
+    assert resolve_quantization(auto, torch.device("cuda")).method == "none"
     explicit = QuantizationConfig(method="int8")
-    assert resolve_quantization(explicit, cpu, torch.bfloat16) == explicit
+    assert resolve_quantization(explicit, cpu) == explicit
 
 
 def test_the_server_quantizes_automatically_unless_told_otherwise():
