@@ -35,10 +35,9 @@ def test_model_is_listed_under_its_name(client: openai.OpenAI) -> None:
 
 
 # "What is the capital of France?" alone is a near tie for the model's first token ("The" against
-# "L", 0.03-0.12 apart in log-probability): 4-bit weights with float32 activations (what ``auto``
-# picks on an AVX2-only CPU) answer "L'Étoile, la Marseillaise,". Asked this way, every token up
-# to "Paris" leads the next by >= 0.36 in float32 and bfloat16, with and without int4, eager and
-# compiled.
+# "L", 0.03-0.12 apart in log-probability): 4-bit weights (what ``auto`` serves on CPUs) answer
+# "L'Étoile, la Marseillaise,". Asked this way, every token up to "Paris" leads the next by >=
+# 0.36 with int4 in float32 and bfloat16, eager and compiled, and in float32 without it.
 CAPITAL_QUESTION = "What is the capital of France? Reply with the city's name only."
 
 
