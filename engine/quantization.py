@@ -184,18 +184,14 @@ def _half_at_least(value: torch.Tensor) -> torch.Tensor:
     """The smallest float16 >= ``value`` (float32)."""
     half = value.to(torch.float16)
     below = half.float() < value
-    return torch.where(
-        below, torch.nextafter(half, torch.tensor(torch.inf, dtype=half.dtype)), half
-    )
+    return torch.where(below, torch.nextafter(half, half.new_full((), torch.inf)), half)
 
 
 def _half_at_most(value: torch.Tensor) -> torch.Tensor:
     """The largest float16 <= ``value`` (float32)."""
     half = value.to(torch.float16)
     above = half.float() > value
-    return torch.where(
-        above, torch.nextafter(half, torch.tensor(-torch.inf, dtype=half.dtype)), half
-    )
+    return torch.where(above, torch.nextafter(half, half.new_full((), -torch.inf)), half)
 
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedTensor:

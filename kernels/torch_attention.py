@@ -457,7 +457,8 @@ def _decode_attention(
     attended = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=group.mask, scale=scale
     )  # [num_rows, num_kv_heads, heads per KV head, head_dim]
-    return attended.view(num_rows, num_heads, head_dim)
+    # reshape: on CUDA, SDPA's output can come back in another memory order
+    return attended.reshape(num_rows, num_heads, head_dim)
 
 
 def _gather_prompt_group(

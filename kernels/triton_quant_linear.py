@@ -70,7 +70,7 @@ def _quant_linear_kernel(
         if BITS == 4:
             weight += tl.load(mins_ptr + scale_offs, mask=mask_n[None, :], other=0.0).to(tl.float32)
         acc += (
-            tl.dot(x.to(tl.float32), weight)
+            tl.dot(x.to(tl.float32), weight, input_precision="ieee")  # float32: no TF32
             if x.dtype == tl.float32
             else tl.dot(x, weight.to(x.dtype))
         )

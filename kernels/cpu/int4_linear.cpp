@@ -158,8 +158,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   if (M == 0) return out;
   const int64_t runs = K / 32;
   // x as int8 [M, K], then its scales and scaled sums [M, K / 32] each: one allocation, no
-  // tensors (three a call, 120 calls a step)
-  const auto rounded = std::make_unique_for_overwrite<float[]>(M * K / 4 + 2 * M * runs);
+  // tensors (three a call, 120 calls a step); uninitialized, as every element is written first
+  // (new T[n], not C++20's make_unique_for_overwrite: torch before 2.13 builds as C++17)
+  const std::unique_ptr<float[]> rounded(new float[M * K / 4 + 2 * M * runs]);
   int8_t* q_ptr = reinterpret_cast<int8_t*>(rounded.get());
   float* d_ptr = rounded.get() + M * K / 4;
   float* s_ptr = d_ptr + M * runs;

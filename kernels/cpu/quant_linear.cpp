@@ -260,8 +260,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       std::vector<float> buffer(K + num_groups);
       // uninitialized: every element is written before it is read (a zeroed vector cleared
       // up to 768 KB a call, ~2% of a 32-row step's products)
-      const auto weights =
-          std::make_unique_for_overwrite<uint16_t[]>(splitfuse_avx512_bf16::kChunk * K);
+      // (new T[n], not C++20's make_unique_for_overwrite: torch before 2.13 builds as C++17)
+      const std::unique_ptr<uint16_t[]> weights(new uint16_t[splitfuse_avx512_bf16::kChunk * K]);
       splitfuse_avx512_bf16::quant_linear_columns(x_ptr, M, K, N, q_ptr, s_ptr, group_size,
                                                   begin * 4, std::min(end * 4, N), buffer.data(),
                                                   weights.get(), out_ptr);
