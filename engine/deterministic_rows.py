@@ -15,6 +15,12 @@ so a packed weight runs one of the first two for every row count (``PackedWeight
 the packed and quantized products run a single row as two (the second a copy of the first), and
 every other product runs as separate calls of ``TILE_ROWS`` rows (padded): each call then has one
 shape, the one rule that holds whatever the library.
+
+The table holds where it was measured, not everywhere: on an Intel Xeon with AMX (16 cores,
+torch 2.11) oneDNN's packed float32 products gave a row of 2 other bits than the same row among
+300, at 2 and 16 threads, AMX on or off. So before a packed or quantized product relies on it,
+``rows_independent`` measures it on this machine, once per kind and shape of product; one that
+fails runs in fixed tiles like the others.
 """
 
 from __future__ import annotations
@@ -35,6 +41,32 @@ def at_least_two_rows(product: Product, x: torch.Tensor, bias: torch.Tensor | No
     if x.shape[0] != 1:
         return product(x, bias)
     return product(x.expand(2, -1).contiguous(), bias)[:1]
+
+
+# rows of the probe's reference call, and the row counts compared with it
+PROBE_ROWS = 48
+PROBE_COUNTS = (1, 2, 3, 4, 5, 7, 8, 12, 13, 16, 17, 33)
+_probed: dict[tuple[object, ...], bool] = {}
+
+
+def rows_independent(
+    product: Product, in_features: int, dtype: torch.dtype, key: tuple[object, ...]
+) -> bool:
+    """Whether ``at_least_two_rows(product, x, None)`` gives each row of x the same bits whatever
+    rows share its call, here: random rows at ``PROBE_COUNTS`` against one call of
+    ``PROBE_ROWS``. Measured once per ``key`` (the product's kind, shape and dtype: what a
+    library picks its kernel from) in a process."""
+    if key not in _probed:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(PROBE_ROWS, in_features, generator=generator).to(dtype)
+        full = at_least_two_rows(product, x, None)
+        _probed[key] = all(
+            torch.equal(at_least_two_rows(product, x[rows], None), full[rows])
+            for rows in (
+                torch.randperm(PROBE_ROWS, generator=generator)[:count] for count in PROBE_COUNTS
+            )
+        )
+    return _probed[key]
 
 
 def fixed_tiles(product: Product, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

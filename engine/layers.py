@@ -12,16 +12,19 @@ the rows or columns this rank keeps.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.deterministic_rows import at_least_two_rows, fixed_tiles
+from engine.deterministic_rows import at_least_two_rows, fixed_tiles, rows_independent
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 from engine.quantization import PackedInt4, QuantizedTensor
+
+logger = logging.getLogger(__name__)
 
 
 def _shape(loaded: Any) -> tuple[int, ...]:
@@ -45,6 +48,8 @@ class QuantizableWeight(nn.Module):
         self.quant_group_size = 0
         # > 0: the 4-bit buffers hold a ``PackedInt4`` of this many output rows
         self.int4_out_features = 0
+        # (out_features, in_features) of the weight once packed or quantized
+        self.product_shape: tuple[int, int] = (0, 0)
 
     @property
     def quantized(self) -> QuantizedTensor | None:
@@ -82,6 +87,7 @@ class QuantizableWeight(nn.Module):
         self.register_buffer("qmins", tensors[2], persistent=False)
         self.quant_bits = quantized.bits
         self.quant_group_size = quantized.group_size
+        self.product_shape = quantized.shape
         if not self.shares_weight:
             self.weight.data = self.weight.data.new_empty(0)
 
@@ -99,17 +105,35 @@ class MatmulLayer(QuantizableWeight):
         # of the module so that a graph of a fixed row count passes it to the operator itself
         self.register_buffer("blocked_weight", None, persistent=False)
         self.blocked_rows = 0
-        # deterministic mode (``set_deterministic``): a row's product never depends on the others
+        # deterministic mode (``set_deterministic``): a row's product never depends on the others;
+        # in_tiles: the product runs as calls of TILE_ROWS rows (else whole, a single row as two)
         self.deterministic = False
+        self.in_tiles = True
 
     def set_deterministic(self) -> None:
         """From now on a row's result does not depend on how many rows share the product
         (``engine/deterministic_rows.py``); call after ``pack_weights``. A packed weight then
-        runs one kernel for every row count (``PackedWeight.one_kernel``)."""
+        runs one kernel for every row count (``PackedWeight.one_kernel``); a packed or quantized
+        product on a CPU runs whole where that kernel's rows are independent here, in fixed
+        tiles otherwise."""
         self.deterministic = True
         if self.packed_weight is not None:
             self.packed_weight.one_kernel()
             self._share_blocked()
+        cpu_quantized = bool(self.quant_bits) and self.qweight.device.type == "cpu"
+        if self.packed_weight is not None or cpu_quantized:
+            kind = "packed" if self.packed_weight is not None else f"int{self.quant_bits}"
+            out_features, in_features = self.product_shape
+            key = (kind, out_features, in_features, self.weight.dtype)
+            self.in_tiles = not rows_independent(self._product, in_features, self.weight.dtype, key)
+            if self.in_tiles:
+                logger.info(
+                    "deterministic mode: %s products of %dx%d run in fixed tiles (a row's sums "
+                    "depend on the row count on this machine)",
+                    kind,
+                    out_features,
+                    in_features,
+                )
 
     def pack_weights(self) -> None:
         """Call once, after loading (and quantizing): the layer then multiplies with the packed
@@ -117,6 +141,7 @@ class MatmulLayer(QuantizableWeight):
         it). A quantized layer stays as it is."""
         if self.packed_weight is None and not self.quant_bits and can_pack(self.weight):
             self.packed_out_features = self.weight.shape[0]
+            self.product_shape = (self.weight.shape[0], self.weight.shape[1])
             self.packed_weight = PackedWeight(self.weight)
             self._share_blocked()
             if not self.shares_weight:
@@ -130,9 +155,9 @@ class MatmulLayer(QuantizableWeight):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.deterministic:
             return self._product(x, bias)
-        if x.device.type == "cpu" and (self.packed_weight is not None or self.quant_bits):
-            return at_least_two_rows(self._product, x, bias)
-        return fixed_tiles(self._product, x, bias)
+        if self.in_tiles:
+            return fixed_tiles(self._product, x, bias)
+        return at_least_two_rows(self._product, x, bias)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quant_bits:

@@ -1,7 +1,8 @@
 """Deterministic mode's kernels: a row's result is the same bits whatever else the call holds.
 
 Products: random rows at random places among 2..300 others against the same rows in one call of
-300 (``engine/deterministic_rows.py``). Attention: a query at a given position of a sequence,
+300 (``engine/deterministic_rows.py``), run whole or in fixed tiles as this machine's probe
+(``rows_independent``) decides, as deterministic mode runs them. Attention: a query at a given position of a sequence,
 alone as a decode, or inside prompt chunks of any length among other rows (decodes, chunks, long
 and short contexts), gives ``torch.equal`` outputs; the torch backend, and Triton under the
 interpreter at small shapes.
@@ -16,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.deterministic_rows import TILE_ROWS, at_least_two_rows, fixed_tiles
+from engine import deterministic_rows
+from engine.deterministic_rows import TILE_ROWS, at_least_two_rows, fixed_tiles, rows_independent
 from engine.layers import ColumnParallelLinear
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.quantization import quantize
@@ -29,13 +31,23 @@ ROW_COUNTS = [2, 3, 4, 5, 7, 12, 16, 17, 33, 64, 100, 255]
 
 
 def _assert_rows_invariant(product, in_features: int, dtype: torch.dtype, seed: int) -> None:
+    """``product`` (x -> x W^T) arranged as deterministic mode arranges it here: whole (a single
+    row as two) where the probe finds its rows independent, in fixed tiles otherwise."""
+    whole = rows_independent(
+        lambda x, _: product(x), in_features, dtype, ("test", id(product), in_features, dtype)
+    )
+    arrange = at_least_two_rows if whole else fixed_tiles
+
+    def arranged(x: torch.Tensor) -> torch.Tensor:
+        return arrange(lambda x, _: product(x), x, None)
+
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(300, in_features, generator=generator).to(dtype)
-    full = product(x)
+    full = arranged(x)
     for num_rows in ROW_COUNTS:
         rows = torch.randperm(300, generator=generator)[:num_rows]
-        assert torch.equal(product(x[rows]), full[rows]), num_rows
-    assert torch.equal(at_least_two_rows(lambda x, _: product(x), x[7:8], None), full[7:8])
+        assert torch.equal(arranged(x[rows]), full[rows]), num_rows
+    assert torch.equal(arranged(x[7:8]), full[7:8])
 
 
 def _packable(dtype: torch.dtype) -> None:
@@ -83,6 +95,47 @@ def test_fixed_tiles_run_every_call_on_tile_rows():
     assert shapes == [(TILE_ROWS, 24)] * 3 and out.shape == (35, 40)
     assert torch.equal(fixed_tiles(product, x[20:21], None), out[20:21])
     assert torch.equal(fixed_tiles(product, x[16:32], None), out[16:32])
+
+
+def test_the_probe_tells_rows_that_depend_on_the_count(monkeypatch):
+    monkeypatch.setattr(deterministic_rows, "_probed", {})
+    weight = torch.randn(8, 16)
+
+    def independent(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def dependent(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # sums in another order from 5 rows on, as a library that switches kernels
+        out = F.linear(x, weight, bias)
+        return out + 1e-6 if x.shape[0] >= 5 else out
+
+    assert rows_independent(independent, 16, torch.float32, ("a",))
+    assert not rows_independent(dependent, 16, torch.float32, ("b",))
+    assert not rows_independent(independent, 16, torch.float32, ("b",))  # measured once a key
+    assert set(deterministic_rows._probed) == {("a",), ("b",)}
+
+
+def test_a_layer_whose_product_fails_the_probe_runs_in_tiles(monkeypatch):
+    from engine import layers
+
+    monkeypatch.setattr(layers, "rows_independent", lambda *args: False)
+    layer = ColumnParallelLinear(64, [96], bias=False, dtype=torch.float32)
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    layer.pack_weights()
+    layer.set_deterministic()
+    assert layer.in_tiles
+    shapes = []
+    product = layer._product
+
+    def recorded(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shapes.append(x.shape[0])
+        return product(x, bias)
+
+    monkeypatch.setattr(layer, "_product", recorded)
+    x = torch.randn(20, 64)
+    full = layer(x)
+    assert shapes == [TILE_ROWS, TILE_ROWS]
+    assert torch.equal(layer(x[5:6]), full[5:6])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
