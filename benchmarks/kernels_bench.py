@@ -260,6 +260,56 @@ def small_op_calls(
 # ---------------------------------------------------------------------------------------- CUDA
 
 
+def sdpa_call(case: AttentionCase, device: str) -> Callable[[], object]:
+    """``scaled_dot_product_attention`` over the same rows held as dense, unpaged K/V of equal
+    lengths (one batch entry a row; causal for a prompt row, the whole context for a decode)."""
+    import torch.nn.functional as F
+
+    (cached, q_len), num_rows = case.rows[0], len(case.rows)
+    assert all(row == case.rows[0] for row in case.rows), "SDPA baseline: rows of one shape"
+    query = torch.randn(num_rows, case.num_heads, q_len, case.head_dim, dtype=torch.bfloat16,
+                        device=device)  # fmt: skip
+    key, value = (
+        torch.randn(
+            num_rows,
+            case.num_kv_heads,
+            cached + q_len,
+            case.head_dim,
+            dtype=torch.bfloat16,
+            device=device,
+        )  # fmt: skip
+        for _ in range(2)
+    )
+    causal = q_len > 1 and cached == 0
+    return lambda: F.scaled_dot_product_attention(
+        query, key, value, is_causal=causal, enable_gqa=True
+    )
+
+
+def flash_varlen_call(case: AttentionCase, device: str) -> Callable[[], object] | None:
+    """FlashAttention's varlen path over the same rows (dense, packed), where it is installed."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        print("(flash_attn is not installed: no FlashAttention baseline)")
+        return None
+    lens = [cached + q_len for cached, q_len in case.rows]
+    q_lens = [q_len for _, q_len in case.rows]
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(sum(q_lens), case.num_heads, case.head_dim, dtype=torch.bfloat16,
+                        device=device)  # fmt: skip
+    key, value = (
+        torch.randn(
+            sum(lens), case.num_kv_heads, case.head_dim, dtype=torch.bfloat16, device=device
+        )  # fmt: skip
+        for _ in range(2)
+    )
+    return lambda: flash_attn_varlen_func(
+        query, key, value, cu_q.to(device), cu_k.to(device), max(q_lens), max(lens), causal=True
+    )
+
+
 def bench_cuda() -> None:
     import triton.testing
 
@@ -306,6 +356,13 @@ def bench_cuda() -> None:
     inputs = make_attention_inputs(case, torch.bfloat16, device)
     ms = bench_ms(inputs.attention(torch_backend, inputs.plan(torch_backend)))
     report(f"(torch backend) attention {case.name}", ms, attention_bytes(case, torch.bfloat16))
+    for case in (cases[1], cases[4], cases[5]):  # dense, unpaged baselines of the same work
+        report(f"(SDPA, dense K/V) {case.name}", bench_ms(sdpa_call(case, device)),
+               attention_bytes(case, torch.bfloat16), attention_flops(case))  # fmt: skip
+    flash = flash_varlen_call(cases[5], device)
+    if flash is not None:
+        report(f"(flash_attn varlen) {cases[5].name}", bench_ms(flash),
+               attention_bytes(cases[5], torch.bfloat16), attention_flops(cases[5]))  # fmt: skip
 
     shape = SmallOpShape(num_tokens=8192, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128)
     for name, fn, num_bytes in small_op_calls(triton_backend, shape, torch.bfloat16, device):

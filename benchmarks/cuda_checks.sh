@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU checks in one go, each step under its own time limit, logs into one folder:
+#
+#     benchmarks/cuda_checks.sh LOG_DIR [WHEEL_DIR]
+#
+# 1. the Triton kernel tests compiled on the device (tests/kernels: the Triton ops, their serving
+#    shapes, the quantized product, CUDA graphs, the engine on the Triton backend);
+# 2. benchmarks/kernels_bench.py: attention, RMSNorm, rotary, KV store against the copy bandwidth,
+#    and the dense SDPA (and FlashAttention, if installed) baselines;
+# 3. benchmarks/cuda_engine.py: parity with transformers on the GPU, backend/graph/invariance/
+#    preemption/prefix-cache checks, one-stream latency and offline throughput.
+#
+# Variables: KERNEL_TESTS (test paths, default the list below), CUDA_ENGINE_ARGS, and each step's
+# limit in seconds (KERNEL_TESTS_LIMIT, KERNELS_BENCH_LIMIT: 0 skips it, CUDA_ENGINE_LIMIT).
+# WHEEL_DIR: wheels of packages the machine's Python lacks, installed into a scratch folder first.
+set -u
+out=${1:?usage: benchmarks/cuda_checks.sh LOG_DIR [WHEEL_DIR]}
+wheels=${2:-}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+if [ -n "$wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/splitfuse-site "$wheels"/*.whl > "$out/wheels.log" 2>&1
+    export PYTHONPATH="$PYTHONPATH:/tmp/splitfuse-site"
+fi
+step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a limit, output into NAME.log
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "$name: exit $? after $((SECONDS - start)) s" | tee -a "$out/summary.log"
+}
+{ nvidia-smi; python3 -c 'import sys, torch, triton, transformers
+print(sys.version); print("torch", torch.__version__, "triton", triton.__version__,
+      "transformers", transformers.__version__, torch.cuda.get_device_name())'; } > "$out/env.log" 2>&1
+# the C++ CPU operators (the torch backend's checks use them), built beside the kernel tests
+(python3 -m kernels.cpu_ops > "$out/cpu_ops.log" 2>&1 &)
+default_tests="tests/kernels/test_triton_ops.py tests/kernels/test_triton_serving_shapes.py
+    tests/kernels/test_triton_quant_linear.py tests/kernels/test_cuda_graphs.py
+    tests/kernels/test_engine_triton_backend.py tests/kernels/test_moe_ops.py
+    tests/kernels/test_deterministic_kernels.py"
+options=()
+python3 -c 'import xdist' 2> /dev/null && options+=(-n 8)
+python3 -c 'import pytest_timeout' 2> /dev/null && options+=(--timeout 170)
+step kernel_tests "${KERNEL_TESTS_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
+    "${options[@]}" -r fEs ${KERNEL_TESTS:-$default_tests}
+[ "${KERNELS_BENCH_LIMIT:-80}" -gt 0 ] &&
+    step kernels_bench "${KERNELS_BENCH_LIMIT:-80}" python3 benchmarks/kernels_bench.py
+step cuda_engine "${CUDA_ENGINE_LIMIT:-220}" python3 benchmarks/cuda_engine.py ${CUDA_ENGINE_ARGS:-}
