@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -107,3 +108,15 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
             "tests); use 'torch' or 'auto' to serve on a CPU"
         )
     return name
+
+
+def release_free_memory() -> None:
+    """Hands the C heap's free memory back to the system (glibc's ``malloc_trim``). Tensors of a
+    few MiB come from the heap once larger ones have been freed (glibc raises its mmap threshold),
+    and freeing them keeps the pages: without this a model quantized at load keeps the resident
+    size of its float weights."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    libc.malloc_trim(0)

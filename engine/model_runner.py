@@ -7,7 +7,6 @@ never touches a ``Request``; what it needs arrives in the batch.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import time
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ import torch
 
 from engine.config import QuantizationConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes, cuda_graphs_unsupported
+from engine.device import release_free_memory
 from engine.gguf_quantized import read_quantized_file
 from engine.input_builder import ModelInput, build_model_input, pad_to_two_tokens
 from engine.kv_cache_memory import (
@@ -44,18 +44,6 @@ from kernels import AttentionMetadata, get_backend
 from scheduler.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
-
-
-def release_free_memory() -> None:
-    """Hands the C heap's free memory back to the system (glibc's ``malloc_trim``). Tensors of a
-    few MiB come from the heap once larger ones have been freed (glibc raises its mmap threshold),
-    and freeing them keeps the pages: without this a model quantized at load keeps the resident
-    size of its float weights."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    libc.malloc_trim(0)
 
 
 class ModelRunner:
