@@ -267,17 +267,10 @@ def sdpa_call(case: AttentionCase, device: str) -> Callable[[], object]:
 
     (cached, q_len), num_rows = case.rows[0], len(case.rows)
     assert all(row == case.rows[0] for row in case.rows), "SDPA baseline: rows of one shape"
-    query = torch.randn(num_rows, case.num_heads, q_len, case.head_dim, dtype=torch.bfloat16,
-                        device=device)  # fmt: skip
+    options = {"dtype": torch.bfloat16, "device": device}
+    query = torch.randn(num_rows, case.num_heads, q_len, case.head_dim, **options)
     key, value = (
-        torch.randn(
-            num_rows,
-            case.num_kv_heads,
-            cached + q_len,
-            case.head_dim,
-            dtype=torch.bfloat16,
-            device=device,
-        )  # fmt: skip
+        torch.randn(num_rows, case.num_kv_heads, cached + q_len, case.head_dim, **options)
         for _ in range(2)
     )
     causal = q_len > 1 and cached == 0
@@ -297,13 +290,10 @@ def flash_varlen_call(case: AttentionCase, device: str) -> Callable[[], object] 
     q_lens = [q_len for _, q_len in case.rows]
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    query = torch.randn(sum(q_lens), case.num_heads, case.head_dim, dtype=torch.bfloat16,
-                        device=device)  # fmt: skip
+    options = {"dtype": torch.bfloat16, "device": device}
+    query = torch.randn(sum(q_lens), case.num_heads, case.head_dim, **options)
     key, value = (
-        torch.randn(
-            sum(lens), case.num_kv_heads, case.head_dim, dtype=torch.bfloat16, device=device
-        )  # fmt: skip
-        for _ in range(2)
+        torch.randn(sum(lens), case.num_kv_heads, case.head_dim, **options) for _ in range(2)
     )
     return lambda: flash_attn_varlen_func(
         query, key, value, cu_q.to(device), cu_k.to(device), max(q_lens), max(lens), causal=True
