@@ -63,12 +63,18 @@ def greedy(max_tokens: int, logprobs: int | None = None) -> SamplingParams:
     )
 
 
-def free(*objects: object) -> None:
-    for item in objects:
-        engine = getattr(item, "engine", None)
-        if engine is not None:
-            engine.shutdown()
-    del objects
+def first_difference(expected: list[int], actual: list[int]) -> int | None:
+    """The first index where the two differ (a shorter one differs where it ends), or None."""
+    for index, (want, got) in enumerate(zip(expected, actual, strict=False)):
+        if want != got:
+            return index
+    return None if len(expected) == len(actual) else min(len(expected), len(actual))
+
+
+def free(*llms: LLM) -> None:
+    """Shuts the engines down and gives their device memory back before the next one starts."""
+    for llm in llms:
+        llm.engine.shutdown()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -102,16 +108,9 @@ def parity(args, model_dir: Path, vocab: int) -> None:
             with torch.device(args.device):
                 expected = hf_generate(reference, prompt, args.parity_tokens)
             logits = expected.logits.float().cpu()
-            parted = next(
-                (
-                    i
-                    for i, (a, b) in enumerate(
-                        zip(expected.token_ids, result.token_ids, strict=False)
-                    )
-                    if a != b
-                ),
-                None,
-            )
+            parted = first_difference(expected.token_ids, result.token_ids)
+            if parted == len(expected.token_ids):  # transformers stopped at EOS: same so far
+                parted = None
             compared = len(expected.token_ids) if parted is None else parted
             for position in range(compared):
                 token = expected.token_ids[position]
