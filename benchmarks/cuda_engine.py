@@ -13,7 +13,7 @@ Builds a random Llama folder (``tests/tiny_model.py``: its ~1,000-token tokenize
 2. the Triton backend against the torch backend (same device, float32); with and without CUDA
    graphs; batch invariance (a prompt alone against the same prompt among 15 others); preemption
    (a KV cache too small for every request at once) and prefix caching (a repeated prompt) against
-   the plain run.
+   the plain run; deterministic mode (three prompts alone against the same among 16, bitwise).
 3. single-stream decode latency (ms per token) with and without CUDA graphs, and offline
    throughput (generated tokens/s) at several concurrencies, bfloat16; the same with int8 and
    int4 weights (the Triton product), with CUDA graphs;
