@@ -140,7 +140,6 @@ class MatmulLayer(QuantizableWeight):
         copy, and the weight parameter gives its storage up (a weight another module shares keeps
         it). A quantized layer stays as it is."""
         if self.packed_weight is None and not self.quant_bits and can_pack(self.weight):
-            self.packed_out_features = self.weight.shape[0]
             self.product_shape = (self.weight.shape[0], self.weight.shape[1])
             self.packed_weight = PackedWeight(self.weight)
             self._share_blocked()
@@ -205,9 +204,9 @@ class MatmulLayer(QuantizableWeight):
                     x.contiguous(), self.blocked_weight, bias
                 )
             return torch.ops.splitfuse.packed_linear(
-                x, self.packed_weight, self.packed_out_features, bias
+                x, self.packed_weight, self.product_shape[0], bias
             )
-        return packed_linear(x, self.packed_weight, self.packed_out_features, bias)
+        return packed_linear(x, self.packed_weight, self.product_shape[0], bias)
 
 
 def _copy_checked(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
