@@ -12,10 +12,15 @@ pool, over static input buffers that each step fills:
     input_ids     [50, 60, 70, .]     .: what an earlier step left there (any valid id)
     positions     [5, 9, 2, .]
     slot_mapping  [s0, s1, s2, -1]    -1: the padding row stores no K/V
-    query_start   [0, 1, 2, 3, 4]     one token a row, always
+    query_start   [0, 1, 2, 3, 4]     one token a row, always (not rewritten)
     context_lens  [6, 10, 3, 1]       the padding row attends to one position of a valid block
     block_tables  [[..], [..], [..], [..]]  the step's tables in the first columns
-    -> logits of the 4 rows; the step's sampling rows are taken from them
+    -> logits of the 4 rows; the step's sampling rows (``sample_rows``) are taken from them
+
+The rewritten inputs are views into one byte buffer (``DecodeInputs``), laid out so that what a
+step of ``size`` rows reads is a prefix of it; the runner builds a step's inputs on the host,
+checks their values there (``DecodeGraphs.replay``), writes them into a host copy of that buffer
+(pinned) and sends the prefix in one host-to-device copy before the replay.
 
 The graph's kernels never read the step's sizes from the host: the attention plan of a capture
 size declares the longest context the tables can hold (``max_model_len``), so its context splits
@@ -39,7 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.input_builder import ModelInput
 from engine.step_graphs import COMPILED, EAGER
+from kernels.checks import KernelInputError, check_metadata
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -91,10 +98,76 @@ def capture_cuda_graph(
     return graph.replay, output
 
 
+class DecodeInputs:
+    """The inputs a decode step rewrites, for up to ``max_rows`` rows, as views into one byte
+    buffer. Every field starts at a multiple of 16 bytes (Triton specializes its kernels on
+    pointers so aligned, as fresh allocations are), and the block tables come last, row-major, so
+    that the first ``size`` rows of every field lie in the prefix ``num_bytes(size)``:
+
+        max_rows 4, max_blocks 3 (byte offsets):
+        [0, 32)    input_ids     int64 [4]
+        [32, 64)   positions     int64 [4]
+        [64, 96)   slot_mapping  int64 [4]
+        [96, 128)  sample_rows   int64 [4]   the step's sampling rows (the first num_sampled)
+        [128, 144) context_lens  int32 [4]
+        [144, 192) block_tables  int32 [4, 3]
+        num_bytes(2) = 144 + 2 * 3 * 4 = 168: rows 0-1 of the tables, all of the fields before
+
+    Filled as a step of no rows would be: slot -1, context 1, everything else 0."""
+
+    def __init__(
+        self, max_rows: int, max_blocks: int, device: torch.device, pin_memory: bool = False
+    ) -> None:
+        """``pin_memory``: page-locked host memory, which a copy to a GPU reads asynchronously."""
+        # room for a multiple of 4 rows: each field's bytes are then a multiple of 16
+        rows = -(-max_rows // 4) * 4
+        self.tables_offset = (4 * 8 + 4) * rows  # four int64 fields, one int32
+        self.buffer = torch.zeros(
+            self.tables_offset + max_rows * max_blocks * 4,
+            dtype=torch.uint8,
+            device=device,
+            pin_memory=pin_memory,
+        )
+        longs = self.buffer[: 4 * 8 * rows].view(torch.int64).view(4, rows)[:, :max_rows]
+        self.input_ids, self.positions, self.slot_mapping, self.sample_rows = longs
+        ints = self.buffer[4 * 8 * rows : self.tables_offset].view(torch.int32)
+        self.context_lens = ints[:max_rows]
+        tables = self.buffer[self.tables_offset :].view(torch.int32)
+        self.block_tables = tables.view(max_rows, max_blocks)
+        self.slot_mapping.fill_(-1)
+        self.context_lens.fill_(1)
+
+    def num_bytes(self, size: int) -> int:
+        """The length of the prefix holding the first ``size`` rows of every field."""
+        return self.tables_offset + size * self.block_tables.shape[1] * 4
+
+    def write(
+        self,
+        input_ids: torch.Tensor,  # [num_rows] int64
+        positions: torch.Tensor,  # [num_rows] int64
+        metadata: AttentionMetadata,  # of a decode step: one token a row
+        sample_rows: torch.Tensor,  # [num_sampled] int64
+        size: int,
+    ) -> None:
+        """A decode step's rows, then padding rows up to ``size`` (slot -1, context 1: an
+        earlier, larger step's rows are there); a row's table columns past the step's keep
+        what an earlier step left (valid block ids, never read past its context)."""
+        num_rows, width = metadata.block_tables.shape
+        self.input_ids[:num_rows].copy_(input_ids)
+        self.positions[:num_rows].copy_(positions)
+        self.slot_mapping[:num_rows].copy_(metadata.slot_mapping)
+        self.slot_mapping[num_rows:size].fill_(-1)
+        self.context_lens[:num_rows].copy_(metadata.context_lens)
+        self.context_lens[num_rows:size].fill_(1)
+        self.block_tables[:num_rows, :width].copy_(metadata.block_tables)
+        self.sample_rows[: sample_rows.shape[0]].copy_(sample_rows)
+
+
 class DecodeGraphs:
     """Runs ``model(input_ids, positions, plan, sample_rows)``, replaying a CUDA graph for a
     decode step once the graphs are captured (``start``); the same interface as
-    ``engine.step_graphs.StepGraphs``, the CPU's compiled steps."""
+    ``engine.step_graphs.StepGraphs``, the CPU's compiled steps, plus ``replay`` for a step
+    built on the host."""
 
     def __init__(
         self,
@@ -124,16 +197,17 @@ class DecodeGraphs:
         # size -> (replay, the logits of its rows, rewritten by each replay)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self.max_blocks = -(-max_position // kv_cache.shape[3])
-        # the static inputs, padded as a step of no rows would be (see the module docstring);
-        # ordinary tensors, which steps rewrite in place with or without inference mode
+        # the static inputs the graphs read, and their host copy that a step fills; ordinary
+        # tensors, which steps rewrite in place with or without inference mode
         device, largest = kv_cache.device, self.sizes[-1] if self.enabled else 0
-        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.inputs = DecodeInputs(largest, self.max_blocks, device)
+        on_gpu = device.type == "cuda"
+        host = torch.device("cpu")
+        self.staging = DecodeInputs(largest, self.max_blocks, host, on_gpu and self.enabled)
+        # recorded after each copy out of ``staging``: the next step waits on it before writing
+        self._staging_read = torch.cuda.Event() if on_gpu else None
         self.query_start = torch.arange(largest + 1, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=device)
-        self.sample_rows = torch.arange(largest, dtype=torch.int64, device=device)
+        self.all_rows = torch.arange(largest, dtype=torch.int64, device=device)
 
     def start(
         self, dummy_step: Callable[[int], tuple] | None = None, background: bool = False
@@ -170,24 +244,48 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> Callable[[], torch.Tensor]:
         """The forward of a decode step of ``size`` rows over the static inputs' first rows."""
+        inputs = self.inputs
         metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=inputs.slot_mapping[:size],
             query_start=self.query_start[: size + 1],
-            context_lens=self.context_lens[:size],
-            block_tables=self.block_tables[:size],
+            context_lens=inputs.context_lens[:size],
+            block_tables=inputs.block_tables[:size],
             max_query_len=1,
             # the tables' capacity: the attention's splits are chosen for any context
             max_context_len=self.max_position,
         )
-        positions = self.positions[:size]
+        positions = inputs.positions[:size]
         plan = self.backend.plan(positions, metadata, self.kv_cache, self.max_position)
-        input_ids, sample_rows = self.input_ids[:size], self.sample_rows[:size]
-        return lambda: self.model(input_ids, positions, plan, sample_rows)
+        input_ids, all_rows = inputs.input_ids[:size], self.all_rows[:size]
+        return lambda: self.model(input_ids, positions, plan, all_rows)
 
     def graph_size(self, num_rows: int) -> int | None:
         """The capture size a decode step of ``num_rows`` rows replays (None: none fits)."""
         index = bisect.bisect_left(self.sizes, num_rows)
         return self.sizes[index] if index < len(self.sizes) else None
+
+    def replay(self, inputs: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """The logits of the sampling rows of a step whose inputs are on the host, float32
+        ``[num_sampled, vocab_size]``, from a graph; None where the step runs eagerly (see
+        ``_replay_size``). Checks the inputs as the attention backend's plan checks host
+        tensors, raising KernelInputError before anything is written; then fills ``staging``
+        and sends its prefix to the static inputs in one copy."""
+        if self.mode != COMPILED or kv_cache is not self.kv_cache:
+            return None
+        positions, metadata = inputs.positions, inputs.metadata
+        check_metadata(positions, metadata, torch.device("cpu"))
+        size = self._replay_size(inputs.num_tokens, metadata)
+        if size is None:
+            return None
+        self._check_values(positions, metadata)
+        if self._staging_read is not None:
+            self._staging_read.synchronize()  # the previous step's copy has read ``staging``
+        self.staging.write(inputs.input_ids, positions, metadata, inputs.sample_rows, size)
+        num_bytes = self.staging.num_bytes(size)
+        self.inputs.buffer[:num_bytes].copy_(self.staging.buffer[:num_bytes], non_blocking=True)
+        if self._staging_read is not None:
+            self._staging_read.record()
+        return self._replay(size, inputs.sample_rows.shape[0])
 
     def __call__(
         self,
@@ -196,35 +294,54 @@ class DecodeGraphs:
         plan: Any,
         sample_rows: torch.Tensor,  # [num_sampled]
     ) -> torch.Tensor:
-        size = self._replayable(input_ids, plan)
-        if size is None:
+        """The forward of a step whose inputs are on the device (``ModelRunner.run`` called with
+        inputs built there): a decode step replays after copies on the device, unchecked as
+        the plan leaves device values; everything else runs eagerly."""
+        metadata = getattr(plan, "metadata", None)
+        if (
+            self.mode != COMPILED
+            or not isinstance(metadata, AttentionMetadata)
+            or plan.kv_cache is not self.kv_cache
+            or (size := self._replay_size(input_ids.shape[0], metadata)) is None
+        ):
             return self.model(input_ids, positions, plan, sample_rows)
-        metadata: AttentionMetadata = plan.metadata
-        num_rows, width = metadata.block_tables.shape
-        self.input_ids[:num_rows].copy_(input_ids)
-        self.positions[:num_rows].copy_(positions)
-        self.slot_mapping[:num_rows].copy_(metadata.slot_mapping)
-        self.slot_mapping[num_rows:size].fill_(-1)  # an earlier, larger step's slots are there
-        self.context_lens[:num_rows].copy_(metadata.context_lens)
-        self.context_lens[num_rows:size].fill_(1)
-        self.block_tables[:num_rows, :width].copy_(metadata.block_tables)
+        self.inputs.write(input_ids, positions, metadata, sample_rows, size)
+        return self._replay(size, sample_rows.shape[0])
+
+    def _replay(self, size: int, num_sampled: int) -> torch.Tensor:
+        """Replays the graph of ``size`` over the written static inputs."""
         replay, logits = self._graphs[size]
         replay()
         # [num_sampled, vocab_size], its own tensor: the next replay rewrites ``logits``
-        return logits.index_select(0, sample_rows)
+        return logits.index_select(0, self.inputs.sample_rows[:num_sampled])
 
-    def _replayable(self, input_ids: torch.Tensor, plan: Any) -> int | None:
-        """The capture size this step replays, or None where it runs eagerly: not captured (yet),
-        not a decode step, more rows than the largest size or wider tables, or another cache."""
-        if self.mode != COMPILED:
-            return None
-        metadata = getattr(plan, "metadata", None)
-        if not isinstance(metadata, AttentionMetadata) or plan.kv_cache is not self.kv_cache:
-            return None
-        num_tokens = input_ids.shape[0]
+    def _replay_size(self, num_tokens: int, metadata: AttentionMetadata) -> int | None:
+        """The capture size a step replays, or None where it runs eagerly: not a decode step,
+        more rows than the largest size, or wider tables than the captured ones."""
         # one token in every row: as many rows as tokens, none longer than one
         if metadata.max_query_len != 1 or metadata.context_lens.shape[0] != num_tokens:
             return None
-        if metadata.block_tables.shape[1] > self.max_blocks:
+        if num_tokens == 0 or metadata.block_tables.shape[1] > self.max_blocks:
             return None
         return self.graph_size(num_tokens)
+
+    def _check_values(self, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """The values ``TritonBackend.plan`` checks in host tensors (its host branch, which
+        cannot take them here: the KV cache is on the device): the tables' capacity, slots,
+        positions and row lengths."""
+        # imported here: the Triton backend (and Triton) loads only where it is used
+        from kernels.triton_backend import _check_rows
+
+        block_size, num_blocks = self.kv_cache.shape[3], self.kv_cache.shape[2]
+        capacity = metadata.block_tables.shape[1] * block_size
+        if metadata.max_context_len > capacity:
+            raise KernelInputError(
+                f"max_context_len {metadata.max_context_len} exceeds the block tables' "
+                f"capacity {capacity}"
+            )
+        num_slots, slots = num_blocks * block_size, metadata.slot_mapping
+        if not -1 <= int(slots.min()) <= int(slots.max()) < num_slots:
+            raise KernelInputError(f"slot_mapping must hold -1 or slots in [0, {num_slots})")
+        if not 0 <= int(positions.min()) <= int(positions.max()) < self.max_position:
+            raise KernelInputError(f"positions must be in [0, {self.max_position})")
+        _check_rows(positions.shape[0], metadata)

@@ -18,6 +18,7 @@ Worked example, block_size 4, three rows (a decode, a middle prompt chunk, a who
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,26 @@ class ModelInput:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> ModelInput:
+        """The same inputs on ``device``; the copies are asynchronous where these are pinned."""
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(device, non_blocking=True)
+
+        metadata = self.metadata
+        return ModelInput(
+            input_ids=move(self.input_ids),
+            positions=move(self.positions),
+            metadata=dataclasses.replace(
+                metadata,
+                slot_mapping=move(metadata.slot_mapping),
+                query_start=move(metadata.query_start),
+                context_lens=move(metadata.context_lens),
+                block_tables=move(metadata.block_tables),
+            ),
+            sample_rows=move(self.sample_rows),
+        )
 
 
 def build_model_input(

@@ -246,14 +246,26 @@ class ModelRunner:
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's logits for its sampling rows, float32 ``[num_sampled, vocab_size]``."""
-        return self.run(build_model_input(batch, self.block_size, self.device))
+        # with CUDA graphs captured, the inputs are built on the host: a step that replays one
+        # reaches the device in one copy
+        on_host = isinstance(self.graphs, DecodeGraphs) and self.graphs.mode == COMPILED
+        device = torch.device("cpu") if on_host else self.device
+        return self.run(build_model_input(batch, self.block_size, device))
 
     def run(self, inputs: ModelInput) -> torch.Tensor:
-        """One forward pass over the flat inputs: plans the step's attention (checks, indices),
-        then runs the model as ``self.graphs`` decides."""
+        """One forward pass over the flat inputs, on the device or, for CUDA graphs, on the host
+        (a decode step there replays a graph: ``DecodeGraphs.replay``); any other step plans its
+        attention (checks, indices) on the device, then runs the model as ``self.graphs``
+        decides."""
         with self._timed("forward"):
             if self.pad_single_token and inputs.num_tokens == 1 and self.graphs.mode == COMPILED:
                 inputs = pad_to_two_tokens(inputs)
+            if isinstance(self.graphs, DecodeGraphs) and inputs.input_ids.device.type == "cpu":
+                with torch.inference_mode():
+                    logits = self.graphs.replay(inputs, self.kv_cache)
+                if logits is not None:
+                    return logits
+                inputs = inputs.to(self.device)
             plan = self.backend.plan(
                 inputs.positions, inputs.metadata, self.kv_cache, self.max_position
             )

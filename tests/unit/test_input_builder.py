@@ -124,3 +124,27 @@ def test_a_one_token_step_padded_to_two() -> None:
     two = ScheduledBatch(rows=(BatchRow("a", (50, 51), 5, (3, 8), True),))
     with pytest.raises(ValueError, match="one-token step"):
         pad_to_two_tokens(build_model_input(two, 4))
+
+
+def test_inputs_moved_to_another_device_keep_their_values_and_dtypes() -> None:
+    """``ModelInput.to``: a CUDA-graph runner builds a step on the host and moves it when it
+    does not replay (``engine/model_runner.py``); the meta device stands in for a GPU here."""
+    batch = ScheduledBatch(
+        rows=(BatchRow("a", (50,), 5, (3, 8), True), BatchRow("b", (60, 61), 0, (2,), False))
+    )
+    inputs = build_model_input(batch, 4)
+    moved = inputs.to("meta")
+    pairs = [
+        (inputs.input_ids, moved.input_ids),
+        (inputs.positions, moved.positions),
+        (inputs.sample_rows, moved.sample_rows),
+    ]
+    for name in ("slot_mapping", "query_start", "context_lens", "block_tables"):
+        pairs.append((getattr(inputs.metadata, name), getattr(moved.metadata, name)))
+    for before, after in pairs:
+        assert after.device.type == "meta"
+        assert after.shape == before.shape and after.dtype == before.dtype
+    assert moved.metadata.max_query_len == 2 and moved.metadata.max_context_len == 6
+    same = inputs.to("cpu")
+    assert same.input_ids.tolist() == [50, 60, 61]
+    assert same.metadata.block_tables.tolist() == [[3, 8], [2, 0]]
