@@ -18,9 +18,13 @@ shape, the one rule that holds whatever the library.
 
 The table holds where it was measured, not everywhere: on an Intel Xeon with AMX (16 cores,
 torch 2.11) oneDNN's packed float32 products gave a row of 2 other bits than the same row among
-300, at 2 and 16 threads, AMX on or off. So before a packed or quantized product relies on it,
-``rows_independent`` measures it on this machine, once per kind and shape of product; one that
-fails runs in fixed tiles like the others.
+300, at 2 and 16 threads, AMX on or off, and packed float32 and bfloat16 products a row among 100
+other bits than among 300, which a probe of up to 33 rows against 48 had passed. So before a
+packed or quantized product relies on it, ``rows_independent`` measures it on this machine, once
+per kind and shape of product, up to the most rows a step multiplies (its token budget): random
+rows at counts on both sides of the sizes where libraries change their blocking (powers of two,
+their sums, multiples of 16) against one call of them all. One that fails runs in fixed tiles
+like the others.
 """
 
 from __future__ import annotations
@@ -43,30 +47,41 @@ def at_least_two_rows(product: Product, x: torch.Tensor, bias: torch.Tensor | No
     return product(x.expand(2, -1).contiguous(), bias)[:1]
 
 
-# rows of the probe's reference call, and the row counts compared with it
-PROBE_ROWS = 48
-PROBE_COUNTS = (1, 2, 3, 4, 5, 7, 8, 12, 13, 16, 17, 33)
+# the most rows a probe multiplies by default (the engine's default token budget), and the row
+# counts it compares with them: those below the probe's own count are taken, and that count less
+# one (~3,000 rows of products over the default 512, ~20-60 ms a shape of the default model)
+PROBE_ROWS = 512
+PROBE_COUNTS = (
+    1, 2, 3, 4, 5, 7, 8, 12, 13, 16, 17, 31, 33, 47, 49, 63, 65, 95, 97, 100, 127, 129, 191, 193,
+    255, 257, 300, 383, 385, 511, 513, 767, 1023, 1025, 2047, 4095,
+)  # fmt: skip
 _probed: dict[tuple[object, ...], bool] = {}
 
 
 def rows_independent(
-    product: Product, in_features: int, dtype: torch.dtype, key: tuple[object, ...]
+    product: Product,
+    in_features: int,
+    dtype: torch.dtype,
+    key: tuple[object, ...],
+    max_rows: int = PROBE_ROWS,
 ) -> bool:
     """Whether ``at_least_two_rows(product, x, None)`` gives each row of x the same bits whatever
-    rows share its call, here: random rows at ``PROBE_COUNTS`` against one call of
-    ``PROBE_ROWS``. Measured once per ``key`` (the product's kind, shape and dtype: what a
-    library picks its kernel from) in a process."""
-    if key not in _probed:
+    rows share its call, for calls of up to ``max_rows`` rows (at least 2), here: random rows at
+    the ``PROBE_COUNTS`` below ``max_rows``, and ``max_rows - 1``, against one call of
+    ``max_rows``. Measured once per ``key`` (the product's kind, shape and dtype: what a library
+    picks its kernel from) and ``max_rows`` in a process."""
+    max_rows = max(max_rows, 2)
+    probed = (*key, max_rows)
+    if probed not in _probed:
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(PROBE_ROWS, in_features, generator=generator).to(dtype)
+        x = torch.randn(max_rows, in_features, generator=generator).to(dtype)
         full = at_least_two_rows(product, x, None)
-        _probed[key] = all(
+        counts = sorted({count for count in PROBE_COUNTS if count < max_rows} | {max_rows - 1})
+        _probed[probed] = all(
             torch.equal(at_least_two_rows(product, x[rows], None), full[rows])
-            for rows in (
-                torch.randperm(PROBE_ROWS, generator=generator)[:count] for count in PROBE_COUNTS
-            )
+            for rows in (torch.randperm(max_rows, generator=generator)[:count] for count in counts)
         )
-    return _probed[key]
+    return _probed[probed]
 
 
 def fixed_tiles(product: Product, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

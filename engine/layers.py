@@ -19,7 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.deterministic_rows import at_least_two_rows, fixed_tiles, rows_independent
+from engine.deterministic_rows import (
+    PROBE_ROWS,
+    at_least_two_rows,
+    fixed_tiles,
+    rows_independent,
+)
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.parallel import SINGLE_PROCESS, ParallelContext
 from engine.quantization import PackedInt4, QuantizedTensor
@@ -110,12 +115,12 @@ class MatmulLayer(QuantizableWeight):
         self.deterministic = False
         self.in_tiles = True
 
-    def set_deterministic(self) -> None:
+    def set_deterministic(self, max_rows: int = PROBE_ROWS) -> None:
         """From now on a row's result does not depend on how many rows share the product
         (``engine/deterministic_rows.py``); call after ``pack_weights``. A packed weight then
         runs one kernel for every row count (``PackedWeight.one_kernel``); a packed or quantized
-        product on a CPU runs whole where that kernel's rows are independent here, in fixed
-        tiles otherwise."""
+        product on a CPU runs whole where that kernel's rows are independent here for calls of
+        up to ``max_rows`` rows (a step's token budget), in fixed tiles otherwise."""
         self.deterministic = True
         if self.packed_weight is not None:
             self.packed_weight.one_kernel()
@@ -125,7 +130,9 @@ class MatmulLayer(QuantizableWeight):
             kind = "packed" if self.packed_weight is not None else f"int{self.quant_bits}"
             out_features, in_features = self.product_shape
             key = (kind, out_features, in_features, self.weight.dtype)
-            self.in_tiles = not rows_independent(self._product, in_features, self.weight.dtype, key)
+            self.in_tiles = not rows_independent(
+                self._product, in_features, self.weight.dtype, key, max_rows
+            )
             if self.in_tiles:
                 logger.info(
                     "deterministic mode: %s products of %dx%d run in fixed tiles (a row's sums "

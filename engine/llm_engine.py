@@ -148,6 +148,7 @@ class LLMEngine:
             deterministic=config.deterministic,
             # a decode step has a token per row, within both step limits
             max_decode_rows=min(config.max_batch_seqs, config.max_batch_tokens),
+            max_step_tokens=config.max_batch_tokens,
         )
         self.executor = start_executor(
             config.tensor_parallel_size, runner_kwargs, config.num_threads

@@ -16,6 +16,7 @@ import torch
 
 from engine.config import QuantizationConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes, cuda_graphs_unsupported
+from engine.deterministic_rows import PROBE_ROWS
 from engine.device import release_free_memory
 from engine.gguf_quantized import read_quantized_file
 from engine.input_builder import ModelInput, build_model_input, pad_to_two_tokens
@@ -69,13 +70,15 @@ class ModelRunner:
         state_dict: Mapping[str, torch.Tensor] | None = None,
         deterministic: bool = False,
         max_decode_rows: int = 1,
+        max_step_tokens: int = PROBE_ROWS,
     ) -> None:
         """The weights come from ``model_dir``'s files or, for a model already in this process
         (``engine.inference``), from ``state_dict`` (tensors by Hugging Face name; ``model_dir``
         is then None). ``quantization``: resolved (none, int8 or int4; see
         ``resolve_quantization``); ``deterministic``: a request's logits do not depend on the
         batch (see README); ``compile``: compiled step graphs on a CPU, CUDA graphs of decode
-        steps of up to ``max_decode_rows`` rows on a GPU."""
+        steps of up to ``max_decode_rows`` rows on a GPU; ``max_step_tokens``: the most tokens a
+        step holds (deterministic mode measures its products' rows up to it)."""
         if (model_dir is None) == (state_dict is None):
             raise ValueError("give the weights as model_dir or as state_dict, not both or neither")
         self.model_config = model_config
@@ -145,7 +148,7 @@ class ModelRunner:
             if isinstance(module, (MatmulLayer, StackedExperts)):
                 module.pack_weights()  # on a CPU: oneDNN layout, once
                 if deterministic and isinstance(module, MatmulLayer):  # MoE is refused
-                    module.set_deterministic()
+                    module.set_deterministic(max_step_tokens)
         self.pad_single_token = False
         self.graphs: StepGraphs | DecodeGraphs
         if device.type == "cuda":

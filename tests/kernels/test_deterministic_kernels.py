@@ -18,7 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from engine import deterministic_rows
-from engine.deterministic_rows import TILE_ROWS, at_least_two_rows, fixed_tiles, rows_independent
+from engine.deterministic_rows import (
+    PROBE_ROWS,
+    TILE_ROWS,
+    at_least_two_rows,
+    fixed_tiles,
+    rows_independent,
+)
 from engine.layers import ColumnParallelLinear
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.quantization import quantize
@@ -113,7 +119,7 @@ def test_the_probe_tells_rows_that_depend_on_the_count(monkeypatch):
     assert rows_independent(independent, 16, torch.float32, ("a",))
     assert not rows_independent(dependent, 16, torch.float32, ("b",))
     assert not rows_independent(independent, 16, torch.float32, ("b",))  # measured once a key
-    assert set(deterministic_rows._probed) == {("a",), ("b",)}
+    assert set(deterministic_rows._probed) == {("a", PROBE_ROWS), ("b", PROBE_ROWS)}
 
 
 def test_a_layer_whose_product_fails_the_probe_runs_in_tiles(monkeypatch):
