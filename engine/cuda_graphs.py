@@ -46,7 +46,7 @@ from torch import nn
 
 from engine.input_builder import ModelInput
 from engine.step_graphs import COMPILED, EAGER
-from kernels.checks import KernelInputError, check_metadata
+from kernels.checks import check_index_values, check_metadata
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class DecodeGraphs:
         size = self._replay_size(inputs.num_tokens, metadata)
         if size is None:
             return None
-        self._check_values(positions, metadata)
+        check_index_values(positions, metadata, self.kv_cache.shape, self.max_position)
         if self._staging_read is not None:
             self._staging_read.synchronize()  # the previous step's copy has read ``staging``
         self.staging.write(inputs.input_ids, positions, metadata, inputs.sample_rows, size)
@@ -324,24 +324,3 @@ class DecodeGraphs:
         if num_tokens == 0 or metadata.block_tables.shape[1] > self.max_blocks:
             return None
         return self.graph_size(num_tokens)
-
-    def _check_values(self, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
-        """The values ``TritonBackend.plan`` checks in host tensors (its host branch, which
-        cannot take them here: the KV cache is on the device): the tables' capacity, slots,
-        positions and row lengths."""
-        # imported here: the Triton backend (and Triton) loads only where it is used
-        from kernels.triton_backend import _check_rows
-
-        block_size, num_blocks = self.kv_cache.shape[3], self.kv_cache.shape[2]
-        capacity = metadata.block_tables.shape[1] * block_size
-        if metadata.max_context_len > capacity:
-            raise KernelInputError(
-                f"max_context_len {metadata.max_context_len} exceeds the block tables' "
-                f"capacity {capacity}"
-            )
-        num_slots, slots = num_blocks * block_size, metadata.slot_mapping
-        if not -1 <= int(slots.min()) <= int(slots.max()) < num_slots:
-            raise KernelInputError(f"slot_mapping must hold -1 or slots in [0, {num_slots})")
-        if not 0 <= int(positions.min()) <= int(positions.max()) < self.max_position:
-            raise KernelInputError(f"positions must be in [0, {self.max_position})")
-        _check_rows(positions.shape[0], metadata)

@@ -1,7 +1,8 @@
-"""Boundary checks shared by both backends: shapes, dtypes, devices, strides; never tensor values.
+"""Boundary checks shared by both backends: shapes, dtypes, devices, strides; never tensor values,
+except in ``check_index_values``, which reads host tensors.
 
 Every op calls its check before touching memory, so a bad argument raises `KernelInputError` and
-changes nothing. The checks read metadata only (no device sync).
+changes nothing. The other checks read metadata only (no device sync).
 """
 
 from __future__ import annotations
@@ -94,6 +95,51 @@ def check_metadata(
     _require(
         0 <= max_query_len <= max(max_context_len, 0),
         f"max_query_len {max_query_len} must be in [0, max_context_len {max_context_len}]",
+    )
+
+
+def check_index_values(
+    positions: torch.Tensor,  # [num_tokens] int64, on the host
+    metadata: AttentionMetadata,  # on the host, checked by ``check_metadata``
+    kv_cache_shape: torch.Size,  # [num_layers, 2, num_blocks, block_size, ...]
+    max_position: int,
+) -> None:
+    """The step's index values, read on the host: the tables hold ``max_context_len``, slots are
+    -1 or inside the cache, positions below ``max_position``, and the rows' lengths agree with
+    each other and with the declared maxima."""
+    num_blocks, block_size = kv_cache_shape[2], kv_cache_shape[3]
+    capacity = metadata.block_tables.shape[1] * block_size
+    _require(
+        metadata.max_context_len <= capacity,
+        f"max_context_len {metadata.max_context_len} exceeds the block tables' capacity {capacity}",
+    )
+    num_tokens = positions.shape[0]
+    if num_tokens:
+        num_slots, slots = num_blocks * block_size, metadata.slot_mapping
+        _require(
+            -1 <= int(slots.min()) <= int(slots.max()) < num_slots,
+            f"slot_mapping must hold -1 or slots in [0, {num_slots})",
+        )
+        _require(
+            0 <= int(positions.min()) <= int(positions.max()) < max_position,
+            f"positions must be in [0, {max_position})",
+        )
+    query_start, context_lens = metadata.query_start, metadata.context_lens
+    _require(
+        int(query_start[0]) == 0 and int(query_start[-1]) == num_tokens,
+        f"query_start must run from 0 to num_tokens {num_tokens}",
+    )
+    query_lens = query_start[1:] - query_start[:-1]  # [num_rows]
+    if query_lens.numel() == 0:
+        return
+    max_query_len, max_context_len = metadata.max_query_len, metadata.max_context_len
+    _require(
+        int(query_lens.min()) >= 0 and int(query_lens.max()) <= max_query_len,
+        f"query lengths must be in [0, max_query_len {max_query_len}]",
+    )
+    _require(
+        not bool((context_lens < query_lens).any()) and int(context_lens.max()) <= max_context_len,
+        f"context_lens must be in [query length, max_context_len {max_context_len}]",
     )
 
 

@@ -17,6 +17,7 @@ import torch
 from kernels.checks import (
     KernelInputError,
     check_attention_inputs,
+    check_index_values,
     check_kv_cache,
     check_kv_inputs,
     check_metadata,
@@ -71,20 +72,15 @@ class TritonBackend:
         check_kv_cache(kv_cache)
         _check_device(kv_cache)
         check_metadata(positions, metadata, kv_cache.device)
-        capacity = metadata.block_tables.shape[1] * kv_cache.shape[3]
-        if metadata.max_context_len > capacity:
-            raise KernelInputError(
-                f"max_context_len {metadata.max_context_len} exceeds the block tables' "
-                f"capacity {capacity}"
-            )
-        if positions.device.type == "cpu" and positions.numel():
-            num_slots = kv_cache.shape[2] * kv_cache.shape[3]
-            slots = metadata.slot_mapping
-            if not -1 <= int(slots.min()) <= int(slots.max()) < num_slots:
-                raise KernelInputError(f"slot_mapping must hold -1 or slots in [0, {num_slots})")
-            if not 0 <= int(positions.min()) <= int(positions.max()) < max_position:
-                raise KernelInputError(f"positions must be in [0, {max_position})")
-            _check_rows(positions.shape[0], metadata)
+        if positions.device.type == "cpu":
+            check_index_values(positions, metadata, kv_cache.shape, max_position)
+        else:  # the values stay on the device: the capacity alone is checked
+            capacity = metadata.block_tables.shape[1] * kv_cache.shape[3]
+            if metadata.max_context_len > capacity:
+                raise KernelInputError(
+                    f"max_context_len {metadata.max_context_len} exceeds the block tables' "
+                    f"capacity {capacity}"
+                )
         return TritonStepPlan(metadata, kv_cache)
 
     def operator_step(self, plan: TritonStepPlan) -> None:
@@ -187,20 +183,3 @@ class TritonBackend:
         """The routed experts' weighted SwiGLU (see ``TorchBackend.moe_experts``), checked."""
         _check_device(hidden)
         return triton_moe_experts(hidden, w_gate_up, w_down, topk_weights, topk_ids)
-
-
-def _check_rows(num_tokens: int, metadata: AttentionMetadata) -> None:
-    """The row lengths agree with each other and with the declared maxima (host tensors only)."""
-    query_start, context_lens = metadata.query_start, metadata.context_lens
-    query_lens = query_start[1:] - query_start[:-1]  # [num_rows]
-    if int(query_start[0]) != 0 or int(query_start[-1]) != num_tokens:
-        raise KernelInputError(f"query_start must run from 0 to num_tokens {num_tokens}")
-    if query_lens.numel() == 0:
-        return
-    max_query_len, max_context_len = metadata.max_query_len, metadata.max_context_len
-    if int(query_lens.min()) < 0 or int(query_lens.max()) > max_query_len:
-        raise KernelInputError(f"query lengths must be in [0, max_query_len {max_query_len}]")
-    if bool((context_lens < query_lens).any()) or int(context_lens.max()) > max_context_len:
-        raise KernelInputError(
-            f"context_lens must be in [query length, max_context_len {max_context_len}]"
-        )
