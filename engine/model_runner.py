@@ -249,11 +249,13 @@ class ModelRunner:
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's logits for its sampling rows, float32 ``[num_sampled, vocab_size]``."""
-        # with CUDA graphs captured, the inputs are built on the host: a step that replays one
-        # reaches the device in one copy
+        return self.run(build_model_input(batch, self.block_size, self.input_device()))
+
+    def input_device(self) -> torch.device:
+        """Where a step's flat inputs are built for ``run``: on the host once CUDA graphs are
+        captured (a step that replays one reaches the device in one copy), else the device."""
         on_host = isinstance(self.graphs, DecodeGraphs) and self.graphs.mode == COMPILED
-        device = torch.device("cpu") if on_host else self.device
-        return self.run(build_model_input(batch, self.block_size, device))
+        return torch.device("cpu") if on_host else self.device
 
     def run(self, inputs: ModelInput) -> torch.Tensor:
         """One forward pass over the flat inputs, on the device or, for CUDA graphs, on the host
