@@ -25,7 +25,7 @@ from engine.kv_cache_memory import (
     bytes_per_block,
     num_blocks_for_budget,
 )
-from engine.layers import MatmulLayer
+from engine.layers import MatmulLayer, ParallelLMHead
 from engine.model_config import ModelConfig
 from engine.models import MODEL_CLASSES
 from engine.moe import StackedExperts
@@ -148,7 +148,9 @@ class ModelRunner:
             if isinstance(module, (MatmulLayer, StackedExperts)):
                 module.pack_weights()  # on a CPU: oneDNN layout, once
                 if deterministic and isinstance(module, MatmulLayer):  # MoE is refused
-                    module.set_deterministic(max_step_tokens)
+                    # the LM head multiplies the sampled rows alone: one a row at most
+                    sampled = isinstance(module, ParallelLMHead)
+                    module.set_deterministic(max_decode_rows if sampled else max_step_tokens)
         self.pad_single_token = False
         self.graphs: StepGraphs | DecodeGraphs
         if device.type == "cuda":
