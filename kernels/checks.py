@@ -98,6 +98,15 @@ def check_metadata(
     )
 
 
+def check_capacity(metadata: AttentionMetadata, block_size: int) -> None:
+    """The block tables hold ``max_context_len`` positions (no value read)."""
+    capacity = metadata.block_tables.shape[1] * block_size
+    _require(
+        metadata.max_context_len <= capacity,
+        f"max_context_len {metadata.max_context_len} exceeds the block tables' capacity {capacity}",
+    )
+
+
 def check_index_values(
     positions: torch.Tensor,  # [num_tokens] int64, on the host
     metadata: AttentionMetadata,  # on the host, checked by ``check_metadata``
@@ -108,11 +117,7 @@ def check_index_values(
     -1 or inside the cache, positions below ``max_position``, and the rows' lengths agree with
     each other and with the declared maxima."""
     num_blocks, block_size = kv_cache_shape[2], kv_cache_shape[3]
-    capacity = metadata.block_tables.shape[1] * block_size
-    _require(
-        metadata.max_context_len <= capacity,
-        f"max_context_len {metadata.max_context_len} exceeds the block tables' capacity {capacity}",
-    )
+    check_capacity(metadata, block_size)
     num_tokens = positions.shape[0]
     if num_tokens:
         num_slots, slots = num_blocks * block_size, metadata.slot_mapping

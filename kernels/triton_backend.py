@@ -17,6 +17,7 @@ import torch
 from kernels.checks import (
     KernelInputError,
     check_attention_inputs,
+    check_capacity,
     check_index_values,
     check_kv_cache,
     check_kv_inputs,
@@ -75,12 +76,7 @@ class TritonBackend:
         if positions.device.type == "cpu":
             check_index_values(positions, metadata, kv_cache.shape, max_position)
         else:  # the values stay on the device: the capacity alone is checked
-            capacity = metadata.block_tables.shape[1] * kv_cache.shape[3]
-            if metadata.max_context_len > capacity:
-                raise KernelInputError(
-                    f"max_context_len {metadata.max_context_len} exceeds the block tables' "
-                    f"capacity {capacity}"
-                )
+            check_capacity(metadata, kv_cache.shape[3])
         return TritonStepPlan(metadata, kv_cache)
 
     def operator_step(self, plan: TritonStepPlan) -> None:
