@@ -264,13 +264,13 @@ class DecodeGraphs:
         index = bisect.bisect_left(self.sizes, num_rows)
         return self.sizes[index] if index < len(self.sizes) else None
 
-    def replay(self, inputs: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
+    def replay(self, inputs: ModelInput) -> torch.Tensor | None:
         """The logits of the sampling rows of a step whose inputs are on the host, float32
         ``[num_sampled, vocab_size]``, from a graph; None where the step runs eagerly (see
         ``_replay_size``). Checks the inputs as the attention backend's plan checks host
         tensors, raising KernelInputError before anything is written; then fills ``staging``
         and sends its prefix to the static inputs in one copy."""
-        if self.mode != COMPILED or kv_cache is not self.kv_cache:
+        if self.mode != COMPILED:
             return None
         positions, metadata = inputs.positions, inputs.metadata
         check_metadata(positions, metadata, torch.device("cpu"))

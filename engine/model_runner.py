@@ -269,7 +269,7 @@ class ModelRunner:
                 inputs = pad_to_two_tokens(inputs)
             if isinstance(self.graphs, DecodeGraphs) and inputs.input_ids.device.type == "cpu":
                 with torch.inference_mode():
-                    logits = self.graphs.replay(inputs, self.kv_cache)
+                    logits = self.graphs.replay(inputs)
                 if logits is not None:
                     return logits
                 inputs = inputs.to(self.device)
