@@ -7,6 +7,7 @@ never touches a ``Request``; what it needs arrives in the batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from engine.cuda_graphs import DecodeGraphs, capture_sizes, cuda_graphs_unsuppor
 from engine.deterministic_rows import PROBE_ROWS
 from engine.device import release_free_memory
 from engine.gguf_quantized import read_quantized_file
+from engine.graph_build import build_in_child
 from engine.input_builder import ModelInput, build_model_input, pad_to_two_tokens
 from engine.kv_cache_memory import (
     allocate_kv_cache,
@@ -172,12 +174,34 @@ class ModelRunner:
             # a one-token step runs padded to two; and every step runs the same code, so
             # requests wait for the graphs instead of running eagerly while they compile.
             self.pad_single_token = deterministic
+            builder = None
+            if model_dir is not None and not deterministic:
+                # the same runner in another process, where the graphs compile (see
+                # ``engine/graph_build.py``; used only where no graph needs the compiler to run)
+                child_kwargs = dict(
+                    model_dir=model_dir,
+                    model_config=model_config,
+                    dtype=dtype,
+                    device=device,
+                    attention_backend=attention_backend,
+                    block_size=block_size,
+                    max_model_len=max_model_len,
+                    kv_cache_memory=kv_cache_memory,
+                    num_kv_blocks=num_kv_blocks,
+                    max_useful_blocks=max_useful_blocks,
+                    seed=seed,
+                    quantization=quantization,
+                    max_decode_rows=max_decode_rows,
+                    max_step_tokens=max_step_tokens,
+                )
+                builder = functools.partial(build_in_child, child_kwargs, torch.get_num_threads())
             self.graphs = StepGraphs(
                 self.model,
                 compile,
                 unsupported,
                 single_token_graph=not deterministic,
                 operator_step=self.backend.operator_step,
+                builder=builder,
             )
         self.graphs.start(self._dummy_step, background=not deterministic)
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)
@@ -213,24 +237,41 @@ class ModelRunner:
             time.perf_counter() - start,
         )
 
-    def _dummy_step(self, num_tokens: int) -> tuple:
-        """The forward's arguments for a step of ``num_tokens`` prompt tokens over a scratch KV
-        cache of a few blocks (compiling the graphs while requests run in the real one)."""
+    def _dummy_step(self, num_tokens: int, decode: bool = False) -> tuple:
+        """The forward's arguments for a step of ``num_tokens`` tokens over a scratch KV cache
+        of a few blocks (compiling the graphs while requests run in the real one): one prompt,
+        or with ``decode`` as many rows each decoding its second token."""
         device = self.device
-        # two blocks at least: a graph traced over tables (or a cache) of one block would
-        # specialize that dimension to 1
-        num_blocks = max(2, -(-num_tokens // self.block_size))
-        scratch = torch.zeros_like(self.kv_cache[:, :, :num_blocks])  # [layers, 2, blocks, ...]
-        tokens = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        block_size = self.block_size
         positions = torch.arange(num_tokens, device=device)
-        metadata = AttentionMetadata(
-            slot_mapping=positions.clone(),
-            query_start=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-            context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        tokens = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        if decode:
+            # row r holds blocks 2r and 2r + 1 and stores position 1 in the first
+            num_blocks = 2 * num_tokens
+            tables = torch.arange(num_blocks, dtype=torch.int32, device=device).view(-1, 2).clone()
+            slots = torch.arange(num_tokens, device=device) * 2 * block_size + 1
+            positions = torch.ones(num_tokens, dtype=torch.int64, device=device)
+            query_start = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
+            context_lens = torch.full((num_tokens,), 2, dtype=torch.int32, device=device)
+            max_query_len, max_context_len = 1, 2
+        else:
+            # two blocks at least: a graph traced over tables (or a cache) of one block would
+            # specialize that dimension to 1
+            num_blocks = max(2, -(-num_tokens // block_size))
             # not a view: a graph that takes the tables guards on a view's base
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None].clone(),
-            max_query_len=num_tokens,
-            max_context_len=num_tokens,
+            tables = torch.arange(num_blocks, dtype=torch.int32, device=device)[None].clone()
+            slots = positions.clone()
+            query_start = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
+            context_lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
+            max_query_len = max_context_len = num_tokens
+        scratch = torch.zeros_like(self.kv_cache[:, :, :num_blocks])  # [layers, 2, blocks, ...]
+        metadata = AttentionMetadata(
+            slot_mapping=slots,
+            query_start=query_start,
+            context_lens=context_lens,
+            block_tables=tables,
+            max_query_len=max_query_len,
+            max_context_len=max_context_len,
         )
         plan = self.backend.plan(positions, metadata, scratch, self.max_position)
         sample_rows = torch.tensor([num_tokens - 1], device=device)

@@ -13,7 +13,7 @@ the sampling rows alone.
 The graph of one token (a request decoding alone, the step whose Python costs most against its
 arithmetic) is a second ``torch.compile`` of the same forward, which takes the step's plan as
 tensors (``backend.operator_step``: the KV cache, slots, tables, lengths) instead of the opaque
-object: its layers call ``splitfuse_cpu::store_and_attend`` and ``blocked_linear`` (or the
+object: its layers call ``splitfuse_cpu::store_and_attend_step`` and ``blocked_linear`` (or the
 quantized product) themselves, so inductor's C++ wrapper runs the whole graph, with no Python
 between its kernels (one-stream decode step ~12.3 -> ~11.2 ms on the default model, same
 process, 2 cores). A product that needs an opaque packed weight (float32, or bfloat16 that
@@ -26,7 +26,17 @@ holds the weights (``splitfuse_cpu.GraphCall``, ``kernels/cpu/graph_call.cpp``):
 over its ~10 own arguments instead of ~440 (int4 weights) made into handles by Python (~0.15 ms
 of a one-stream int4 step of ~6.3 ms, alternated step by step in one process).
 
-    start()  -> mode "compiling": a thread compiles both graphs on dummy steps (over a scratch
+With quantized weights (whose products run one operator for every row count) the graph of two
+tokens and up takes the plan as tensors too (``tensor_plan_unsupported`` says where it cannot):
+its layers call ``splitfuse_cpu::store_and_attend_step``, which attends decode tokens and prompt
+chunks alike from the step's tables, so it too runs under the C++ wrapper and is called through
+its entry point: no step has Python between its kernels, and no graph holds a Python object.
+Such graphs need no compiler to run, so a runner given a ``builder`` has them compiled in a
+process of its own (``engine/graph_build.py``) and only loads them: the serving process never
+imports torch's compiler (default model, int4, served with a 64 MiB KV cache: 486 MiB resident
+with its graphs against 685 MiB when they compiled in it, 2026-11-27).
+
+    start()  -> mode "compiling": a thread compiles the graphs on dummy steps (over a scratch
                 KV cache of two blocks), while every step runs the eager forward
              -> mode "compiled": steps go through the graphs, under the ``eager_on_recompile``
                 stance (a step no graph fits runs eagerly instead of stalling on a compile)
@@ -114,6 +124,23 @@ def python_wrapper_needed(stack: nn.Module) -> str:
                 return f"{name} multiplies with a weight packed for oneDNN"
         elif isinstance(module, StackedExperts) and module.packed is not None:
             return f"{name} multiplies with experts packed for oneDNN"
+    return ""
+
+
+def tensor_plan_unsupported(stack: nn.Module) -> str:
+    """Why the graph of two tokens and up cannot take the plan as tensors and run under
+    inductor's C++ wrapper ('' when it can): one graph serves every token count there, so a
+    product must run the same operator whatever the rows, and one that the wrapper can call.
+    The quantized products do; an unquantized one switches from ``blocked_linear`` to oneDNN's
+    packed weight (an opaque object) above a row count."""
+    from engine.layers import MatmulLayer
+
+    why = python_wrapper_needed(stack)
+    if why:
+        return why
+    for name, module in stack.named_modules():
+        if isinstance(module, MatmulLayer) and module.packed_weight is not None:
+            return f"{name} multiplies many rows with a weight packed for oneDNN"
     return ""
 
 
@@ -238,8 +265,10 @@ class DirectGraph:
     ) -> None:
         """``sources``: each argument's, as the compiler names them (``L['plan'].lens``);
         ``example``: the traced call's arguments by the forward's names (``self`` apart).
-        Raises ValueError where an argument is not one this class can read."""
+        Raises ValueError where an argument is not one this class can read. ``compiled`` is
+        None for a graph compiled in another process (``bind_entry`` then gives the call)."""
         self.compiled = compiled
+        self.sources = sources
         self.arguments: list[Any] = []  # the module's arguments; the step's filled in per call
         # (index of the argument, its reader) of each of the step's arguments
         self.readers: list[tuple[int, Callable[[dict[str, Any]], Any]]] = []
@@ -277,8 +306,10 @@ class DirectGraph:
             else:
                 raise ValueError(f"{source} is a {type(value).__name__}")
             self.readers.append((index, reader))
-        # the graph's C++ entry point holding the module's arguments (``use_entry_point``)
+        # the graph's C++ entry point holding the module's arguments (``use_entry_point``),
+        # and the shared library it is in
         self.entry: Any = None
+        self.library: str | None = None
 
     def __call__(self, **step: Any) -> torch.Tensor | None:
         """The graph's output for this step's arguments (by the forward's names), or None
@@ -302,6 +333,8 @@ class DirectGraph:
         if self.entry is not None:
             (output,) = self.entry.run(tensors, sizes)
             return output
+        if self.compiled is None:
+            return None
         (output,) = self.compiled(*self._arguments(values))
         return output
 
@@ -317,8 +350,6 @@ class DirectGraph:
         compiled it with its C++ wrapper, and the compiled call hands that wrapper the very
         arguments it was given and returns its one output as it is (checked on ``example``).
         Returns why not ("" where it does)."""
-        from kernels.cpu_ops import load
-
         graph = _inductor_graph(self.compiled)
         if graph is None:
             return "no inductor graph found in the compiled function"
@@ -330,11 +361,6 @@ class DirectGraph:
         library = getattr(getattr(entry, "__self__", None), "__file__", None)
         if not library:
             return "the graph's C++ entry point is in no shared library"
-        if any(
-            argument is not None and not isinstance(argument, torch.Tensor)
-            for argument in self.arguments
-        ):
-            return "the module gives the graph an argument that is not a tensor"
         # what the compiled call hands the C++ wrapper, and what it makes of its output
         seen: dict[str, Any] = {}
 
@@ -359,8 +385,19 @@ class DirectGraph:
         outputs = seen["outputs"]
         if len(outputs) != 1 or outputs[0] is not output:
             return "the compiled call changes the wrapper's output"
+        return self.bind_entry(library)
+
+    def bind_entry(self, library: str) -> str:
+        """Calls the graph from now on through the entry point of ``library``, the shared
+        library inductor built for it under its C++ wrapper. Returns why not ("" where it
+        does)."""
+        from kernels.cpu_ops import load
+
         if load() == "torch":
             return "the C++ operators are not built"
+        if any(argument is not None and not isinstance(argument, torch.Tensor)
+               for argument in self.arguments):  # fmt: skip
+            return "the module gives the graph an argument that is not a tensor"
         try:
             address = ctypes.cast(ctypes.CDLL(library)[_ENTRY_SYMBOL], ctypes.c_void_p).value
         except (OSError, AttributeError) as error:
@@ -372,7 +409,17 @@ class DirectGraph:
             [self.readers[position][0] for position in self.size_positions],
             1,
         )
+        self.library = library
         return ""
+
+    def fixed_layout(self) -> list[list[Any] | None]:
+        """(dtype, sizes, strides) of each argument the module gives (None for the step's): what
+        a process that loads the graph checks its own module's against."""
+        return [
+            None if argument is None
+            else [str(argument.dtype), list(argument.shape), list(argument.stride())]
+            for argument in self.arguments
+        ]  # fmt: skip
 
 
 def compiling_in_background() -> bool:
@@ -390,6 +437,9 @@ class StepGraphs:
 
     # what a step that no graph fits does once the graphs are ready (tests make it fail)
     stance = "eager_on_recompile"
+    # graphs that need no compiler to run are compiled in a process of their own, given a
+    # ``builder`` (tests that look inside the compiled graphs turn it off)
+    build_elsewhere = True
 
     def __init__(
         self,
@@ -398,48 +448,91 @@ class StepGraphs:
         unsupported: str = "",
         single_token_graph: bool = True,
         operator_step: Callable[[Any], Any] | None = None,
+        builder: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        """``single_token_graph``: also compile the graph of exactly one token (otherwise a
-        one-token step must reach the graph padded to two: deterministic mode, whose rows must
-        always run the same loops). ``operator_step(plan)``: the backend's plan of a one-token
-        step as tensors alone (None where it has none); given, the graph of one token takes
-        that form and runs under inductor's C++ wrapper (no Python between its kernels)."""
+        """``single_token_graph``: also compile the graph of exactly one token and the graph of
+        decode steps (otherwise a one-token step must reach the graph padded to two, and decode
+        steps take the dynamic graph: deterministic mode, whose rows must always run the same
+        loops). ``operator_step(plan)``: the backend's plan of a step as tensors alone (None
+        where it has none); given, the graphs of one token and of decode steps take that form
+        and run under inductor's C++ wrapper (no Python between their kernels).
+
+        ``builder()``: compiles the same model's graphs in another process and returns their
+        manifest (``engine/graph_build.py``); used where every graph runs under the C++
+        wrapper, so that this process never imports the compiler (a failed build falls back to
+        compiling here)."""
         self.model = model
         self.mode = EAGER
         self.compile_seconds: float | None = None
         self.warm_up_tokens = WARM_UP_TOKENS if single_token_graph else WARM_UP_TOKENS[:1]
         self.operator_step = operator_step
         self._stack: Callable[..., torch.Tensor] | None = None
+        # set where the graph of two tokens and up takes the plan as tensors too
+        self._stack_graphs: _GraphRecorder | None = None
         self._single: Callable[..., torch.Tensor] | None = None
         self._single_graphs: _GraphRecorder | None = None
-        # the graph of one token called directly, once compiled (None: through the compiler)
+        # the graphs of one token and of two and up called directly, once compiled (None:
+        # through the compiler)
         self.direct: DirectGraph | None = None
+        self.stack_direct: DirectGraph | None = None
+        # the graphs were compiled in another process: only their entry points are here
+        self.loaded = False
+        self.builder: Callable[[], dict[str, Any]] | None = None
+        self._single_token_graph = single_token_graph
         self._done = threading.Event()
         self._done.set()
         if compile and unsupported:
             logger.info("compile: not used (%s)", unsupported)
         elif compile:
-            _set_cache_dir()
+            if (
+                builder is not None
+                and self.build_elsewhere
+                and single_token_graph
+                and operator_step is not None
+                and not tensor_plan_unsupported(model.model)
+            ):
+                self.builder = builder
+            else:
+                self._make_graphs()
+
+    def _make_graphs(self) -> None:
+        """The ``torch.compile`` wrappers of the forward (compiled by ``_compile``)."""
+        model, operator_step = self.model, self.operator_step
+        _set_cache_dir()
+        # one whole graph, called by ``DirectGraph`` in place of the forward (checking the
+        # step's tensors; the weights never change): without inductor's checks of every
+        # argument's and extern output's sizes and strides (~440 a step)
+        cpp_wrapper = {"cpp_wrapper": True, "size_asserts": False}
+        # deterministic mode (no graph of one token) has no plan as tensors
+        tensor_plans = self._single_token_graph and operator_step is not None
+        why = tensor_plan_unsupported(model.model) if tensor_plans else ""
+        if tensor_plans and not why:
+            self._stack_graphs = _GraphRecorder(cpp_wrapper)
+            self._stack = torch.compile(
+                _own_forward(model.model),
+                dynamic=True,
+                fullgraph=True,
+                backend=self._stack_graphs,
+                options=_compile_options(),
+            )
+        else:
+            if why:
+                logger.info("compile: the graph of two tokens and up takes the plan (%s)", why)
             self._stack = torch.compile(
                 _own_forward(model.model), dynamic=True, options=_compile_options()
             )
-            if single_token_graph and operator_step is not None:
-                why = python_wrapper_needed(model.model)
-                if why:
-                    logger.info("compile: the graph of one token keeps a Python wrapper (%s)", why)
-                # one whole graph (``DirectGraph`` calls it in place of the forward, checking
-                # the step's tensors; the weights never change): without inductor's checks of
-                # every argument's and extern output's sizes and strides (~440 a step)
-                self._single_graphs = _GraphRecorder(
-                    {} if why else {"cpp_wrapper": True, "size_asserts": False}
-                )
-                self._single = torch.compile(
-                    _own_forward(model.model),
-                    dynamic=True,
-                    fullgraph=True,
-                    backend=self._single_graphs,
-                    options=_compile_options(),
-                )
+        if self._single_token_graph and operator_step is not None:
+            why = python_wrapper_needed(model.model)
+            if why:
+                logger.info("compile: the graph of one token keeps a Python wrapper (%s)", why)
+            self._single_graphs = _GraphRecorder({} if why else cpp_wrapper)
+            self._single = torch.compile(
+                _own_forward(model.model),
+                dynamic=True,
+                fullgraph=True,
+                backend=self._single_graphs,
+                options=_compile_options(),
+            )
 
     def __call__(
         self,
@@ -450,29 +543,56 @@ class StepGraphs:
     ) -> torch.Tensor:
         if self.mode != COMPILED:
             return self.model(input_ids, positions, plan, sample_rows)
+        if self.loaded:
+            return self._call_loaded(input_ids, positions, plan, sample_rows)
         graph, graph_plan = self._graph(input_ids.shape[0], plan)
         assert graph is not None
-        if graph is self._single and self.direct is not None:
-            hidden = self.direct(input_ids=input_ids, positions=positions, plan=graph_plan)
+        direct = self.direct if graph is self._single else None
+        if graph is self._stack and graph_plan is not plan:
+            direct = self.stack_direct
+        if direct is not None:
+            hidden = direct(input_ids=input_ids, positions=positions, plan=graph_plan)
             if hidden is not None:
                 return self.model.compute_logits(hidden, sample_rows)
         with torch.compiler.set_stance(self.stance):
             hidden = graph(input_ids, positions, graph_plan)
         return self.model.compute_logits(hidden, sample_rows)
 
+    def _call_loaded(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: Any,
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """A step through the graphs compiled in another process, or eagerly where none fits
+        (there is no compiler here to make one)."""
+        assert self.operator_step is not None
+        direct = self.direct if input_ids.shape[0] == 1 else self.stack_direct
+        tensors = self.operator_step(plan)
+        if direct is not None and tensors is not None:
+            hidden = direct(input_ids=input_ids, positions=positions, plan=tensors)
+            if hidden is not None:
+                return self.model.compute_logits(hidden, sample_rows)
+        return self.model(input_ids, positions, plan, sample_rows)
+
     def _graph(self, num_tokens: int, plan: Any) -> tuple[Callable[..., torch.Tensor] | None, Any]:
         """The compiled forward a step of ``num_tokens`` goes through, and the plan it takes."""
-        if num_tokens == 1 and self._single is not None:
+        graph = self._single if num_tokens == 1 else None
+        if graph is None and self._stack_graphs is not None:
+            graph = self._stack
+        if graph is not None:
             assert self.operator_step is not None
             tensors = self.operator_step(plan)
             if tensors is not None:
-                return self._single, tensors
+                return graph, tensors
         return self._stack, plan
 
-    def start(self, dummy_step: Callable[[int], tuple], background: bool = True) -> None:
-        """Compiles the graphs; ``dummy_step(num_tokens)`` gives the arguments of a step of that
-        many tokens that writes no block a request may hold. In the background by default."""
-        if self._stack is None:
+    def start(self, dummy_step: Callable[[int, bool], tuple], background: bool = True) -> None:
+        """Compiles the graphs; ``dummy_step(num_tokens, decode)`` gives the arguments of a step
+        of that many tokens (one prompt, or as many rows decoding one token each) that writes no
+        block a request may hold. In the background by default."""
+        if self._stack is None and self.builder is None:
             return
         self.mode = COMPILING
         self._done.clear()
@@ -487,19 +607,53 @@ class StepGraphs:
         """Blocks until compiling is over (or ``timeout`` seconds); True when it is."""
         return self._done.wait(timeout)
 
-    def _compile(self, dummy_step: Callable[[int], tuple]) -> None:
+    def _compile(self, dummy_step: Callable[[int, bool], tuple]) -> None:
         start, rss_before = time.perf_counter(), resident_mib()
+        if self.builder is not None:
+            try:
+                self._load_built(dummy_step)
+            except Exception:  # noqa: BLE001 (any failure of the other process: compile here)
+                logger.exception(
+                    "compile: the step graphs could not be built in a process of their own; "
+                    "compiling them in this one"
+                )
+                self.builder = None
+                self.direct = self.stack_direct = None
+                self._make_graphs()
+            else:
+                self.compile_seconds = time.perf_counter() - start
+                self.loaded = True
+                self.mode = COMPILED
+                self._done.set()
+                logger.info(
+                    "compile: step graphs ready in %.1f s (built in a process of their own, "
+                    "called through their entry points); resident memory %.0f MiB before, "
+                    "%.0f MiB after",
+                    self.compile_seconds,
+                    rss_before,
+                    resident_mib(),
+                )
+                return
         graphs_before = self.num_graphs()
         try:
             for num_tokens in self.warm_up_tokens:
                 # inputs made outside inference mode, as the runner's are: a graph guards on
-                # its inputs' dispatch keys, which inference tensors do not share
-                input_ids, positions, plan, _ = dummy_step(num_tokens)
+                # its inputs' dispatch keys, which inference tensors do not share; the graph
+                # that takes the plan as tensors is traced over two rows (a dimension of size 1
+                # is specialized)
+                decode = num_tokens == 1 or self._stack_graphs is not None
+                input_ids, positions, plan, _ = dummy_step(num_tokens, decode)
                 graph, graph_plan = self._graph(num_tokens, plan)
                 try:
                     hidden = self._trace(graph, input_ids, positions, graph_plan)
                     if graph is self._single:
-                        self.direct = self._direct_graph(input_ids, positions, graph_plan, hidden)
+                        self.direct = self._direct_graph(
+                            self._single_graphs, input_ids, positions, graph_plan, hidden
+                        )
+                    elif graph_plan is not plan:
+                        self.stack_direct = self._direct_graph(
+                            self._stack_graphs, input_ids, positions, graph_plan, hidden
+                        )
                 except Exception:
                     if graph is not self._single:
                         raise
@@ -508,7 +662,9 @@ class StepGraphs:
                         "graph of the other sizes' form instead"
                     )
                     self._single = None
-                    self._trace(self._stack, input_ids, positions, plan)
+                    input_ids, positions, plan, _ = dummy_step(num_tokens, False)
+                    graph, graph_plan = self._graph(num_tokens, plan)
+                    self._trace(graph, input_ids, positions, graph_plan)
         except Exception:  # a compiler failure must not take serving down: eager still works
             logger.exception("compile: the step graphs failed to compile; running eager")
             self.mode = EAGER
@@ -529,6 +685,69 @@ class StepGraphs:
             resident_mib(),
         )
 
+    def _load_built(self, dummy_step: Callable[[int, bool], tuple]) -> None:
+        """Loads the graphs ``builder`` compiled elsewhere: each graph's arguments are read
+        from this model through the sources the compiler recorded there, checked to be laid
+        out as there, and the graph's output on a dummy step checked to be, bit for bit, what
+        it gave there (the same code on the same weights and inputs). Raises where any of it
+        fails."""
+        assert self.builder is not None
+        manifest = self.builder()
+        loaded: dict[str, DirectGraph] = {}
+        for graph in manifest["graphs"]:
+            kind = graph["kind"]
+            example = self._example(dummy_step, kind)
+            direct = DirectGraph(None, graph["sources"], self.model.model, example)
+            if direct.fixed_layout() != graph["fixed"]:
+                raise RuntimeError(
+                    f"the graph of {kind} was compiled for weights laid out otherwise"
+                )
+            why = direct.bind_entry(graph["library"])
+            if why:
+                raise RuntimeError(f"the graph of {kind}: {why}")
+            with torch.inference_mode():
+                output = direct(**example)
+            expected = torch.tensor(graph["output"], dtype=torch.float32)
+            if output is None or not torch.equal(output.float(), expected):
+                raise RuntimeError(
+                    f"the graph of {kind} does not give the output it gave where it was built"
+                )
+            loaded[kind] = direct
+        if set(loaded) != {"single", "stack"}:
+            raise RuntimeError(f"the build gave the graphs {sorted(loaded)}")
+        self.direct, self.stack_direct = loaded["single"], loaded["stack"]
+
+    def _example(self, dummy_step: Callable[[int, bool], tuple], kind: str) -> dict[str, Any]:
+        """The forward's arguments (by name) of the dummy step a graph of ``kind`` ("single":
+        one token; "stack": two and up) is checked on: two rows decoding for the latter."""
+        input_ids, positions, plan, _ = dummy_step(1 if kind == "single" else 2, True)
+        assert self.operator_step is not None
+        tensors = self.operator_step(plan)
+        parameters = list(inspect.signature(self.model.model.forward).parameters)
+        return dict(zip(parameters, (input_ids, positions, tensors), strict=True))
+
+    def manifest(self, dummy_step: Callable[[int, bool], tuple]) -> dict[str, Any]:
+        """Where each compiled graph's library is, what it takes and what it gives on its dummy
+        step (``_load_built`` reads it in another process). Raises where a graph does not run
+        under the C++ wrapper."""
+        graphs = []
+        for kind, direct in (("single", self.direct), ("stack", self.stack_direct)):
+            if direct is None or direct.library is None:
+                raise RuntimeError(f"the graph of {kind} has no C++ entry point")
+            with torch.inference_mode():
+                output = direct(**self._example(dummy_step, kind))
+            assert output is not None
+            graphs.append(
+                {
+                    "kind": kind,
+                    "library": direct.library,
+                    "sources": direct.sources,
+                    "fixed": direct.fixed_layout(),
+                    "output": output.float().tolist(),  # exact: float32 holds every value
+                }
+            )
+        return {"graphs": graphs}
+
     def _trace(
         self,
         graph: Callable[..., torch.Tensor] | None,
@@ -539,13 +758,14 @@ class StepGraphs:
         """Compiles ``graph`` for the shapes of these inputs by running it once; its output."""
         assert graph is not None
         num_tokens = input_ids.shape[0]
+        plan_is_opaque = not isinstance(plan, tuple)
         # size-oblivious: the 2 of the trace is not specialized as "not 1"; no duck sizing in
-        # the one-token graph: its KV cache and tables are inputs, and a size they share in
-        # the dummy step (2 blocks, the K/V pair) is no rule of real steps
+        # the graphs that take the plan as tensors: their KV cache and tables are inputs, and a
+        # size they share in the dummy step (2 blocks, the K/V pair) is no rule of real steps
         with (
             torch.inference_mode(),
             torch.fx.experimental._config.patch(
-                backed_size_oblivious=num_tokens > 1, use_duck_shape=graph is not self._single
+                backed_size_oblivious=num_tokens > 1, use_duck_shape=plan_is_opaque
             ),
             # a graph that cannot be made is an error here, never a silent eager run
             torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
@@ -553,34 +773,43 @@ class StepGraphs:
             return graph(input_ids, positions, plan)
 
     def _direct_graph(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: Any, traced: torch.Tensor
+        self,
+        recorder: _GraphRecorder | None,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: Any,
+        traced: torch.Tensor,
     ) -> DirectGraph | None:
-        """The graph of one token as a ``DirectGraph``, checked against the traced call's
-        output on the same inputs; None (logged) where it cannot be one."""
-        assert self._single_graphs is not None
-        if len(self._single_graphs.graphs) != 1:
+        """The graph ``recorder`` holds (of one token, or of decode steps) as a
+        ``DirectGraph``, checked against the traced call's output on the same inputs; None
+        (logged) where it cannot be one."""
+        assert recorder is not None
+        what = "one token" if recorder is self._single_graphs else "two tokens and up"
+        if len(recorder.graphs) != 1:
             logger.info(
-                "compile: the graph of one token runs through the compiler (%d graphs made)",
-                len(self._single_graphs.graphs),
+                "compile: the graph of %s runs through the compiler (%d graphs made)",
+                what,
+                len(recorder.graphs),
             )
             return None
-        sources, compiled = self._single_graphs.graphs[0]
+        sources, compiled = recorder.graphs[0]
         parameters = list(inspect.signature(self.model.model.forward).parameters)
         example = dict(zip(parameters, (input_ids, positions, plan), strict=True))
         try:
             direct = DirectGraph(compiled, sources, self.model.model, example)
         except ValueError as error:
-            logger.info("compile: the graph of one token runs through the compiler (%s)", error)
+            logger.info("compile: the graph of %s runs through the compiler (%s)", what, error)
             return None
         with torch.inference_mode():
             output = direct(**example)
         if output is None or not torch.equal(output, traced):
             logger.warning(
-                "compile: the graph of one token called directly does not give its traced "
-                "output; it runs through the compiler"
+                "compile: the graph of %s called directly does not give its traced output; it "
+                "runs through the compiler",
+                what,
             )
             return None
-        if self._single_graphs.config_patches.get("cpp_wrapper"):
+        if recorder.config_patches.get("cpp_wrapper"):
             why = direct.use_entry_point(example)
             if not why:
                 with torch.inference_mode():
@@ -589,7 +818,7 @@ class StepGraphs:
                     why = "its output through the entry point is not the traced one"
             if why:
                 direct.entry = None
-                logger.info("compile: the graph of one token is called from Python (%s)", why)
+                logger.info("compile: the graph of %s is called from Python (%s)", what, why)
         return direct
 
     @staticmethod

@@ -3,10 +3,13 @@ install`` builds them, later imports load the cached library):
 
 - ``splitfuse_cpu::quant_linear`` and ``splitfuse_cpu::int4_linear``, the weight-only quantized
   products (8-bit and 4-bit), with PyTorch fallbacks where no C++ compiler is there;
-- ``splitfuse_cpu::fixed_order_attention`` and ``splitfuse_cpu::store_and_attend``, attention
-  over the paged cache in a fixed order: deterministic mode's, and the default mode's for decode
-  tokens (``kernels/torch_attention.py``; without a compiler, SDPA and, in deterministic mode,
-  PyTorch products in a fixed order instead: ``has_fixed_order_attention``);
+- ``splitfuse_cpu::fixed_order_attention``, attention over the paged cache in a fixed order:
+  deterministic mode's, and the default mode's for decode tokens (``kernels/torch_attention.py``;
+  without a compiler, SDPA and, in deterministic mode, PyTorch products in a fixed order
+  instead: ``has_fixed_order_attention``);
+- ``splitfuse_cpu::store_and_attend_step``, one layer's store and attention of a whole step,
+  prompt chunks and decodes, from tensors alone, for a compiled graph to call (built with the
+  fixed-order operators: ``has_fixed_order_attention``);
 - ``splitfuse_cpu::blocked_linear``, the product of a few bfloat16 rows with a weight in oneDNN's
   blocked layout, on CPUs with AVX-512 BF16 (``engine/packed_linear.py``; elsewhere, or without a
   compiler, oneDNN runs every product: ``has_blocked_linear``);
@@ -23,6 +26,16 @@ and multiplied in hardware.
 as ``PackedInt4`` -> [M, N] float32; x is rounded to int8 in runs of 32 first
 (``quantize_activations``) and the 4-bit values multiply it in int32 sums
 (``int4_linear_reference`` is what it computes).
+
+``store_and_attend_step(query, key, value, kv_cache, layer, slots, block_tables, query_start,
+context_lens, scale)``: writes token t's K/V into slot slots[t] (-1: not stored) of layer
+``layer`` of kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], then
+returns the causal attention of the step's rows over it, [num_tokens, num_heads, head_dim] in the
+query's dtype: row r's tokens query_start[r] .. query_start[r + 1] - 1 sit at the last q_len of
+its context_lens[r] positions, read through row r of block_tables. Decode rows go to the
+fixed-order kernel, all in one call; each prompt chunk gathers its context and calls SDPA (by
+query chunks of 64 from 128 tokens on, as ``kernels/torch_attention.py``). Every input is checked
+before the cache is written.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ def _build() -> str:
         sources=[
             str(_SOURCE_DIR / "quant_linear.cpp"),
             str(_SOURCE_DIR / "fixed_order_attention.cpp"),
+            str(_SOURCE_DIR / "ragged_attention.cpp"),
             str(_SOURCE_DIR / "blocked_linear.cpp"),
             str(_SOURCE_DIR / "int4_linear.cpp"),
             str(_SOURCE_DIR / "graph_call.cpp"),
@@ -124,8 +138,8 @@ def load() -> str:
             def _fake_attention(query, key_cache, value_cache, tables, rows, lens, scale):  # type: ignore[no-untyped-def]
                 return query.new_empty(query.shape)
 
-            @torch.library.register_fake("splitfuse_cpu::store_and_attend")
-            def _fake_store_and_attend(query, key, value, kv_cache, layer, *args):  # type: ignore[no-untyped-def]
+            @torch.library.register_fake("splitfuse_cpu::store_and_attend_step")
+            def _fake_store_and_attend_step(query, key, value, kv_cache, layer, *args):  # type: ignore[no-untyped-def]
                 return query.new_empty(query.shape)
 
             @torch.library.register_fake("splitfuse_cpu::blocked_linear")

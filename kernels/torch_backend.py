@@ -42,16 +42,20 @@ __all__ = ["OperatorStep", "TorchBackend", "TorchStepPlan"]
 
 
 class OperatorStep(NamedTuple):
-    """A step whose every token the C++ operator attends, as tensors alone: what a graph of a
-    fixed token count takes for a plan (``TorchBackend.operator_step``). Its layers then call
-    ``splitfuse_cpu::store_and_attend`` themselves, and inductor's C++ wrapper can run the whole
-    graph without Python."""
+    """A step as tensors alone: what a graph that inductor's C++ wrapper runs takes for a plan
+    (``TorchBackend.operator_step``). Its layers then call ``splitfuse_cpu::store_and_attend_step``
+    themselves (decode tokens through the fixed-order kernel, prompt chunks through SDPA, in
+    C++), so the whole graph runs without Python.
+
+    A step of several tokens holds at least two rows (an empty one added to a single prompt,
+    ``query_start`` [0, n, n]) and every step at least two table columns: a graph traced over
+    a dimension of size 1 specializes it, and would serve no other step."""
 
     kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1: not stored
     block_tables: torch.Tensor  # [num_rows, >= 2 blocks] int32, contiguous
-    rows: torch.Tensor  # [num_tokens] int32, each token's row of the block tables
-    lens: torch.Tensor  # [num_tokens] int32, the positions each token attends
+    query_start: torch.Tensor  # [num_rows + 1] int32
+    context_lens: torch.Tensor  # [num_rows] int32
 
 
 class TorchStepPlan(OpaqueBase):
@@ -64,26 +68,20 @@ class TorchStepPlan(OpaqueBase):
         store_tokens: torch.Tensor | None,  # [num_stored] their token indices; None: every token
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64, -1: not stored
+        metadata: AttentionMetadata | None = None,  # given: the step has a tensor form
     ) -> None:
         self.attention = attention
         self.store_slots = store_slots
         self.store_tokens = store_tokens
         self.kv_cache = kv_cache
         self.slot_mapping = slot_mapping
-        # the C++ operator attends every token: each layer is then one call that also stores
+        # the C++ operator attends every token (a decode step): each layer is then one call
+        # that also stores, even eagerly
         kernel = attention.kernel_tokens
         self.fused = kernel is not None and kernel.tokens == slice(0, attention.num_tokens)
         self.operator_step: OperatorStep | None = None
-        if self.fused:
-            assert kernel is not None
-            # at least two blocks a row: a graph whose tables had one would serve no other step
-            # (a dimension of size 1 is specialized), and the operator reads only ``lens``
-            tables = kernel.block_tables
-            if tables.shape[1] < 2:
-                tables = F.pad(tables, (0, 2 - tables.shape[1]))
-            self.operator_step = OperatorStep(
-                kv_cache, slot_mapping, tables, kernel.rows, kernel.lens
-            )
+        if metadata is not None and attention.num_tokens:
+            self.operator_step = _operator_step(kv_cache, slot_mapping, metadata)
 
 
 register_opaque_type(TorchStepPlan, typ="reference")
@@ -144,11 +142,22 @@ class TorchBackend:
             deterministic=self.deterministic,
             cpu_kernel=self.cpu_kernel and kv_cache.device.type == "cpu",
         )
-        return TorchStepPlan(attention, store_slots, store_tokens, kv_cache, slot_mapping)
+        # the tensor form needs the C++ operator, and deterministic mode's order of prompt
+        # tokens (not SDPA's)
+        tensor_form = self.cpu_kernel and not self.deterministic and kv_cache.device.type == "cpu"
+        return TorchStepPlan(
+            attention,
+            store_slots,
+            store_tokens,
+            kv_cache,
+            slot_mapping,
+            metadata if tensor_form else None,
+        )
 
     def operator_step(self, plan: TorchStepPlan) -> OperatorStep | None:
-        """The step as tensors alone where the C++ operator attends every token (decode steps
-        on CPUs), else None: the plan a graph of one token takes."""
+        """The step as tensors alone where the C++ operator attends it (on CPUs, outside
+        deterministic mode), else None: the plan of the graphs that inductor's C++ wrapper
+        runs."""
         return plan.operator_step
 
     def rope(
@@ -217,7 +226,7 @@ class TorchBackend:
         if isinstance(plan, OperatorStep):  # a graph's plan: the operator called directly
             key, value = key.to(plan.kv_cache.dtype), value.to(plan.kv_cache.dtype)
             query, key, value = (_heads_rows(t) for t in (query, key, value))
-            return _store_and_attend(query, key, value, plan, layer, scale)
+            return _store_and_attend_step(query, key, value, plan, layer, scale)
         return torch.ops.splitfuse.attend(query, key, value, plan, layer, scale)
 
     def rms_norm(
@@ -248,6 +257,27 @@ class TorchBackend:
         return torch.ops.splitfuse.moe_experts(hidden, w_gate_up, w_down, topk_weights, topk_ids)
 
 
+def _operator_step(
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, metadata: AttentionMetadata
+) -> OperatorStep:
+    """The step's ``OperatorStep``: its metadata, a single row of several tokens given an empty
+    second row, the tables at least two blocks wide."""
+    tables, query_start, context_lens = (
+        metadata.block_tables,
+        metadata.query_start,
+        metadata.context_lens,
+    )
+    if tables.shape[0] == 1 and slot_mapping.shape[0] > 1:
+        tables = F.pad(tables, (0, 0, 0, 1))
+        query_start = torch.cat((query_start, query_start[-1:]))
+        context_lens = F.pad(context_lens, (0, 1))
+    if tables.shape[1] < 2:
+        tables = F.pad(tables, (0, 2 - tables.shape[1]))
+    return OperatorStep(
+        kv_cache, slot_mapping, tables.contiguous(), query_start.contiguous(), context_lens
+    )
+
+
 def _store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -276,16 +306,17 @@ def _attend(
     step = plan.operator_step
     if (
         step is not None
+        and plan.fused
         and _heads_contiguous(query, key, value)
         and key.dtype == step.kv_cache.dtype
     ):
-        return _store_and_attend(query, key, value, step, layer, scale)
+        return _store_and_attend_step(query, key, value, step, layer, scale)
     key_cache, value_cache = plan.kv_cache[layer]
     _store_kv(key, value, key_cache, value_cache, plan)
     return paged_attention(query, key_cache, value_cache, plan.attention, scale)
 
 
-def _store_and_attend(
+def _store_and_attend_step(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], heads contiguous
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], heads contiguous, cache dtype
     value: torch.Tensor,
@@ -294,7 +325,7 @@ def _store_and_attend(
     scale: float,
 ) -> torch.Tensor:
     """One C++ call: stores the layer's K/V into the step's slots and attends every token."""
-    return torch.ops.splitfuse_cpu.store_and_attend(
+    return torch.ops.splitfuse_cpu.store_and_attend_step(
         query,
         key,
         value,
@@ -302,8 +333,8 @@ def _store_and_attend(
         layer,
         step.slot_mapping,
         step.block_tables,
-        step.rows,
-        step.lens,
+        step.query_start,
+        step.context_lens,
         scale,
     )
 
@@ -315,7 +346,7 @@ def _heads_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 def _heads_contiguous(*tensors: torch.Tensor) -> bool:
     """[tokens, heads, head_dim] views whose heads are contiguous rows (what the model's fused
-    projections give), as ``store_and_attend`` reads them."""
+    projections give), as ``store_and_attend_step`` reads them."""
     return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in tensors)
 
 

@@ -10,12 +10,11 @@
 // head_dim] in the query's dtype (rounded to nearest even, as torch's conversions). The order of
 // every sum is in fixed_order_attention_body.h.
 //
-// splitfuse_cpu::store_and_attend: the same after writing each token's K/V into its cache slot
-// (slot -1: not stored), one call per layer for a step whose every token it attends; it takes
-// the whole cache [num_layers, 2, ...] and the layer's index.
-//
 // A step of few tokens loads its contexts into the caches before the arithmetic
 // (touch_contexts).
+//
+// The attention, the store and the layer's caches are shared with ragged_attention.cpp
+// (splitfuse_cpu::store_and_attend_step) through fixed_order_attention.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +22,7 @@
 
 #include <immintrin.h>
 
+#include "fixed_order_attention.h"
 #include "float16_bits.h"
 
 #include <algorithm>
@@ -244,6 +244,10 @@ void touch_contexts(const at::Tensor& key_cache, const at::Tensor& value_cache,
   });
 }
 
+}  // namespace
+
+namespace splitfuse_fixed_order {
+
 // The attention itself, on checked inputs.
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -282,6 +286,61 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
   return out;
 }
 
+std::pair<at::Tensor, at::Tensor> layer_caches(const char* op, const at::Tensor& kv_cache,
+                                               int64_t layer) {
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(), op,
+              ": kv_cache must be a contiguous "
+              "[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] tensor");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), op, ": layer ", layer, " of a cache of ",
+              kv_cache.size(0), " layers");
+  const at::Tensor layer_cache = kv_cache.select(0, layer);
+  return {layer_cache.select(0, 0), layer_cache.select(0, 1)};
+}
+
+void check_store(const char* op, const at::Tensor& key, const at::Tensor& value,
+                 const at::Tensor& key_cache, const at::Tensor& slots, int64_t num_tokens) {
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == key_cache.size(2) &&
+                    t->size(2) == key_cache.size(3) && t->stride(2) == 1 &&
+                    t->stride(1) == t->size(2) && t->scalar_type() == key_cache.scalar_type() &&
+                    t->device().is_cpu(),
+                op, ": key and value must be [num_tokens, num_kv_heads, head_dim] "
+                "in the caches' dtype, with contiguous heads");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == num_tokens && slots.is_contiguous() &&
+                  slots.scalar_type() == at::kLong && slots.device().is_cpu(),
+              op, ": slots must be int64 [num_tokens]");
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slot[t] >= -1 && slot[t] < num_slots, op, ": token ", t, " stores into slot ",
+                slot[t], " of ", num_slots);
+}
+
+void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+              at::Tensor& value_cache, const at::Tensor& slots) {
+  const int64_t num_tokens = slots.size(0);
+  const int64_t row_size = key_cache.size(2) * key_cache.size(3);  // one slot's elements
+  const int64_t bytes = row_size * key_cache.element_size();
+  auto* key_base = static_cast<char*>(key_cache.data_ptr());
+  auto* value_base = static_cast<char*>(value_cache.data_ptr());
+  const auto* key_in = static_cast<const char*>(key.data_ptr());
+  const auto* value_in = static_cast<const char*>(value.data_ptr());
+  const int64_t key_stride = key.stride(0) * key.element_size();
+  const int64_t value_stride = value.stride(0) * value.element_size();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] < 0) continue;
+    std::memcpy(key_base + slot[t] * bytes, key_in + t * key_stride, bytes);
+    std::memcpy(value_base + slot[t] * bytes, value_in + t * value_stride, bytes);
+  }
+}
+
+}  // namespace splitfuse_fixed_order
+
+namespace {
+
+using splitfuse_fixed_order::attend;
+
 at::Tensor fixed_order_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& token_rows, const at::Tensor& token_lens,
@@ -290,64 +349,13 @@ at::Tensor fixed_order_attention(const at::Tensor& query, const at::Tensor& key_
   return attend(query, key_cache, value_cache, block_tables, token_rows, token_lens, scale);
 }
 
-at::Tensor store_and_attend(const at::Tensor& query, const at::Tensor& key,
-                            const at::Tensor& value, at::Tensor& kv_cache, int64_t layer,
-                            const at::Tensor& slots, const at::Tensor& block_tables,
-                            const at::Tensor& token_rows, const at::Tensor& token_lens,
-                            double scale) {
-  // the whole cache and a layer index, not the layer's two views: a compiled graph that takes
-  // the cache as an input then mutates that input itself (no views of it to regenerate)
-  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
-              "store_and_attend: kv_cache must be a contiguous "
-              "[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] tensor");
-  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "store_and_attend: layer ", layer,
-              " of a cache of ", kv_cache.size(0), " layers");
-  const at::Tensor layer_cache = kv_cache.select(0, layer);
-  const at::Tensor key_cache = layer_cache.select(0, 0);
-  const at::Tensor value_cache = layer_cache.select(0, 1);
-  check_inputs(query, key_cache, value_cache, block_tables, token_rows, token_lens);
-  const int64_t num_tokens = query.size(0);
-  const int64_t row_size = key_cache.size(2) * key_cache.size(3);  // one slot's elements
-  for (const at::Tensor* t : {&key, &value})
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == key_cache.size(2) &&
-                    t->size(2) == key_cache.size(3) && t->stride(2) == 1 &&
-                    t->stride(1) == t->size(2) && t->scalar_type() == key_cache.scalar_type(),
-                "store_and_attend: key and value must be [num_tokens, num_kv_heads, head_dim] "
-                "in the caches' dtype, with contiguous heads");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == num_tokens && slots.is_contiguous() &&
-                  slots.scalar_type() == at::kLong,
-              "store_and_attend: slots must be int64 [num_tokens]");
-  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < num_tokens; ++t)
-    TORCH_CHECK(slot[t] >= -1 && slot[t] < num_slots, "store_and_attend: token ", t,
-                " stores into slot ", slot[t], " of ", num_slots);
-  const int64_t bytes = row_size * key_cache.element_size();
-  auto* key_base = static_cast<char*>(key_cache.data_ptr());
-  auto* value_base = static_cast<char*>(value_cache.data_ptr());
-  const auto* key_in = static_cast<const char*>(key.data_ptr());
-  const auto* value_in = static_cast<const char*>(value.data_ptr());
-  const int64_t key_stride = key.stride(0) * key.element_size();
-  const int64_t value_stride = value.stride(0) * value.element_size();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    if (slot[t] < 0) continue;
-    std::memcpy(key_base + slot[t] * bytes, key_in + t * key_stride, bytes);
-    std::memcpy(value_base + slot[t] * bytes, value_in + t * value_stride, bytes);
-  }
-  return attend(query, key_cache, value_cache, block_tables, token_rows, token_lens, scale);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
   m.def("fixed_order_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor token_rows, Tensor token_lens, float scale) -> Tensor");
-  m.def("store_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
-        "int layer, Tensor slots, Tensor block_tables, Tensor token_rows, Tensor token_lens, "
-        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {
   m.impl("fixed_order_attention", fixed_order_attention);
-  m.impl("store_and_attend", store_and_attend);
 }

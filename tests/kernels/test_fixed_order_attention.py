@@ -3,7 +3,8 @@ attention of deterministic mode on CPUs: against a float64 reference over the sa
 for every query and cache dtype, grouped-query ratios and head sizes that are not a multiple of
 its 16 lanes; a token's result the same bits alone, among others, through every instruction
 set's body and from caches of any dtype that hold the same numbers; bad tables refused before
-anything runs; ``store_and_attend`` stores and attends in one call."""
+anything runs (``store_and_attend_step``, which stores a step's K/V and calls it for decode
+tokens: ``test_ragged_attention.py``)."""
 
 from __future__ import annotations
 
@@ -180,46 +181,3 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
     widest = results.pop("")
     for isa, result in results.items():
         assert torch.equal(result, widest), isa
-
-
-def test_store_and_attend_stores_then_attends():
-    query, key_cache, value_cache, tables, rows, lens = _case(
-        [1, 3], [9, 20], 4, 2, 16, 8, torch.bfloat16, torch.bfloat16, 6
-    )
-    generator = torch.Generator().manual_seed(7)
-    # the step's K/V as views of a fused projection, as the model passes them
-    fused = torch.randn(4, 8, 16, generator=generator).to(torch.bfloat16)
-    key, value = fused[:, :2], fused[:, 2:4]
-    slot_of = [
-        int(tables[r, (n - 1) // 8]) * 8 + (n - 1) % 8 for r, n in zip(rows, lens, strict=True)
-    ]
-    slots = torch.tensor([slot_of[0], slot_of[1], -1, slot_of[3]])  # token 2: not stored
-    expected_keys, expected_values = key_cache.clone(), value_cache.clone()
-    for token, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            expected_keys.view(-1, 2, 16)[slot] = key[token]
-            expected_values.view(-1, 2, 16)[slot] = value[token]
-    want = _attend(query, expected_keys, expected_values, tables, rows, lens, 0.25)
-    # the whole cache [num_layers, 2, ...] and a layer: layer 1 of 3 here, the others untouched
-    cache = torch.stack([torch.stack([key_cache, value_cache])] * 3)
-    got = torch.ops.splitfuse_cpu.store_and_attend(
-        query, key, value, cache, 1, slots, tables, rows, lens, 0.25
-    )
-    assert torch.equal(got, want)
-    assert torch.equal(cache[1, 0], expected_keys) and torch.equal(cache[1, 1], expected_values)
-    for other in (0, 2):
-        assert torch.equal(cache[other, 0], key_cache)
-        assert torch.equal(cache[other, 1], value_cache)
-    # a slot past the cache, or a layer outside it: refused, nothing written
-    before = cache.clone()
-    bad = slots.clone()
-    bad[3] = key_cache.shape[0] * 8
-    with pytest.raises(RuntimeError, match="stores into slot"):
-        torch.ops.splitfuse_cpu.store_and_attend(
-            query, key * 2, value, cache, 1, bad, tables, rows, lens, 0.25
-        )
-    with pytest.raises(RuntimeError, match="layer 3 of a cache of 3 layers"):
-        torch.ops.splitfuse_cpu.store_and_attend(
-            query, key * 2, value, cache, 3, slots, tables, rows, lens, 0.25
-        )
-    assert torch.equal(cache, before)

@@ -224,8 +224,8 @@ def test_plan_accepts_the_unchanged_step():
 def test_attend_stores_the_layer_then_attends(dtype, name, layout):
     """``attend`` equals ``store_kv`` then ``paged_attention`` on the plan's cache of the layer,
     skips the tokens whose slot is -1, leaves the other layers alone, and matches the reference.
-    A step of decodes alone is one C++ call on CPUs (``store_and_attend``), which reads heads as
-    contiguous rows; K/V laid out otherwise take the general path."""
+    A step of decodes alone is one C++ call on CPUs (``store_and_attend_step``), which reads
+    heads as contiguous rows; K/V laid out otherwise take the general path."""
     batch = make_ragged_batch(
         BATCHES[name], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype,
         seed=12,

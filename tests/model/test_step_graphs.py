@@ -36,6 +36,8 @@ def graphs_fit_every_step(monkeypatch) -> None:
     """A step that no graph fits fails the test instead of running eagerly (the served
     default), unless a test allows it."""
     monkeypatch.setattr(step_graphs.StepGraphs, "stance", "fail_on_recompile")
+    # compiled here, so that the tests can look into the graphs and the compiler's path
+    monkeypatch.setattr(step_graphs.StepGraphs, "build_elsewhere", False)
 
 
 MAX_TOKENS = 24
@@ -315,6 +317,67 @@ def test_the_graph_of_one_token_called_directly_is_the_compilers(
     while engine.has_unfinished_requests():
         engine.step()
     assert compared == direct_calls == 39
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_steps_of_two_tokens_and_up_take_the_plan_as_tensors_with_quantized_weights(
+    tiny_llama_dir, monkeypatch, dtype
+) -> None:
+    """With quantized products (one operator for every row count), the graph of two tokens and
+    up takes the plan as tensors as well and runs under inductor's C++ wrapper, called through
+    its entry point: prompt steps, mixed steps and decode steps of several rows alike, each
+    step's logits bit for bit those of the same graph through the compiler and close to the
+    eager forward's. Unquantized weights, whose products switch to oneDNN's packed weight above
+    a row count, keep the opaque plan there."""
+    from kernels.cpu_ops import has_fixed_order_attention
+
+    if not has_fixed_order_attention():
+        pytest.skip("the C++ operators are not built here")
+    plain = _engine(tiny_llama_dir, dtype=dtype, compile=True)
+    assert plain.runner.graphs._stack_graphs is None and plain.runner.graphs.stack_direct is None
+    assert "packed for oneDNN" in step_graphs.tensor_plan_unsupported(plain.runner.model.model)
+    engine = _engine(tiny_llama_dir, dtype=dtype, compile=True, quantization="int4")
+    graphs = engine.runner.graphs
+    direct = graphs.stack_direct
+    assert direct is not None and direct.entry is not None
+    original = step_graphs.StepGraphs.__call__
+    steps: list[int] = []  # token counts of the steps through the graph of two and up
+
+    def both(self, input_ids, positions, plan, sample_rows):
+        logits = original(self, input_ids, positions, plan, sample_rows)
+        if input_ids.shape[0] == 1:
+            return logits
+        graph, tensors = self._graph(input_ids.shape[0], plan)
+        assert graph is self._stack and tensors is plan.operator_step
+        steps.append(input_ids.shape[0])
+        self.stack_direct = None  # the same step through the compiler (same K/V)
+        try:
+            through_compiler = original(self, input_ids, positions, plan, sample_rows)
+            with torch.compiler.set_stance("force_eager"):
+                eager = self.model(input_ids, positions, plan, sample_rows)
+        finally:
+            self.stack_direct = direct
+        assert torch.equal(logits, through_compiler)
+        scale = 1.0 if dtype == "float32" else float(eager.abs().max())
+        assert float((logits - eager).abs().max()) <= 0.05 * scale
+        int32_ids = input_ids.to(torch.int32)
+        assert direct(input_ids=int32_ids, positions=positions, plan=tensors) is None
+        return logits
+
+    monkeypatch.setattr(step_graphs.StepGraphs, "__call__", both)
+    prompts = _prompts(4, seed=12)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10 - 2 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    _generate(engine, prompts, params, together=True)
+    alone = _prompts(1, seed=13)
+    engine.add_request("alone", alone[0], params[0])  # a prompt alone: one row
+    while engine.has_unfinished_requests():
+        engine.step()
+    # the prompts together, 4 rows decoding, then 3 and 2 as the shorter requests finish
+    assert steps[:4] == [sum(len(p) for p in prompts), 4, 4, 4]
+    assert {2, 3} <= set(steps) and steps[-1] == len(alone[0])
 
 
 def test_graph_call_refuses_arguments_that_do_not_fit() -> None:
