@@ -450,12 +450,13 @@ class StepGraphs:
         operator_step: Callable[[Any], Any] | None = None,
         builder: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        """``single_token_graph``: also compile the graph of exactly one token and the graph of
-        decode steps (otherwise a one-token step must reach the graph padded to two, and decode
-        steps take the dynamic graph: deterministic mode, whose rows must always run the same
-        loops). ``operator_step(plan)``: the backend's plan of a step as tensors alone (None
-        where it has none); given, the graphs of one token and of decode steps take that form
-        and run under inductor's C++ wrapper (no Python between their kernels).
+        """``single_token_graph``: also compile the graph of exactly one token (otherwise a
+        one-token step must reach the graph padded to two: deterministic mode, whose rows must
+        always run the same loops). ``operator_step(plan)``: the backend's plan of a step as
+        tensors alone (None where it has none); given, the graph of one token takes that form
+        and runs under inductor's C++ wrapper (no Python between its kernels), and so does the
+        graph of two tokens and up where every product runs one operator for any row count
+        (``tensor_plan_unsupported``; not in deterministic mode).
 
         ``builder()``: compiles the same model's graphs in another process and returns their
         manifest (``engine/graph_build.py``); used where every graph runs under the C++
@@ -517,7 +518,8 @@ class StepGraphs:
             )
         else:
             if why:
-                logger.info("compile: the graph of two tokens and up takes the plan (%s)", why)
+                logger.info("compile: the graph of two tokens and up takes the plan object (%s)",
+                            why)  # fmt: skip
             self._stack = torch.compile(
                 _own_forward(model.model), dynamic=True, options=_compile_options()
             )
@@ -780,7 +782,7 @@ class StepGraphs:
         plan: Any,
         traced: torch.Tensor,
     ) -> DirectGraph | None:
-        """The graph ``recorder`` holds (of one token, or of decode steps) as a
+        """The graph ``recorder`` holds (of one token, or of two tokens and up) as a
         ``DirectGraph``, checked against the traced call's output on the same inputs; None
         (logged) where it cannot be one."""
         assert recorder is not None
