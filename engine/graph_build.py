@@ -18,12 +18,16 @@ inductor, sympy: ~110 MiB of modules for the default model) and leaves its state
 
 The child loads the weights from the model folder itself (a runner given its weights in memory
 compiles in its own process), uses inductor's caches as any compile does, and exits if the
-serving process goes away. Nothing of the child is kept: the libraries stay in inductor's cache
-folder, which the manifest points into.
+serving process goes away. The libraries stay in inductor's cache folder, which the manifest
+points into, and the manifest is kept in ``<splitfuse cache>/compile/<CPU kind>/graphs``, under
+a key of everything the graphs depend on (the runner's arguments, the model folder's files, this
+package's code, torch's and Python's versions): a later start with the same key loads the
+graphs at once, with the same checks, and builds them again only where they do not fit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -43,6 +47,65 @@ BUILD_TIMEOUT_SECONDS = 1800.0
 # runner arguments of the child that differ from the serving runner's: no compile of its own, a
 # KV cache just large enough for the dummy steps (two blocks for each of their rows)
 CHILD_OVERRIDES = {"compile": False, "num_kv_blocks": 8}
+
+
+class GraphBuild:
+    """The graphs of one runner's model: kept from an earlier start (``cached``), or built in
+    another process (``build``) and then kept (``keep``)."""
+
+    def __init__(self, runner_kwargs: dict[str, Any], threads: int) -> None:
+        """``runner_kwargs``: ``ModelRunner``'s arguments (a model folder, not tensors);
+        ``threads``: the serving process's CPU threads."""
+        self.runner_kwargs = runner_kwargs
+        self.threads = threads
+        self.path = _manifest_path(runner_kwargs, threads)
+
+    def cached(self) -> dict | None:
+        """The manifest an earlier start kept for the same key, or None."""
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def build(self) -> dict:
+        return build_in_child(self.runner_kwargs, self.threads)
+
+    def keep(self, manifest: dict) -> None:
+        """Keeps ``manifest`` for later starts (a failure to write is logged, not raised)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(f".{os.getpid()}.partial")
+            partial.write_text(json.dumps(manifest))
+            partial.replace(self.path)
+        except OSError as error:
+            logger.warning("compile: the graphs' manifest could not be kept (%s)", error)
+
+
+def _manifest_path(runner_kwargs: dict[str, Any], threads: int) -> Path:
+    """``<splitfuse cache>/compile/<CPU kind>/graphs/<key>.json``; the key covers what the
+    graphs depend on: the runner's arguments but the KV cache's size and the seed, the model
+    folder's files (names, sizes, times), this package's code, torch's and Python's versions."""
+    import torch
+
+    from engine.device import cpu_code_tag
+    from engine.model_resolver import cache_dir
+
+    key = hashlib.sha256()
+    ignored = {"kv_cache_memory", "num_kv_blocks", "max_useful_blocks", "seed"}
+    for name in sorted(set(runner_kwargs) - ignored):
+        key.update(f"{name}={runner_kwargs[name]!r}\n".encode())
+    key.update(f"threads={threads} torch={torch.__version__} python={sys.version}\n".encode())
+    folder = Path(runner_kwargs["model_dir"])
+    for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+        stat = path.stat()
+        key.update(f"{path.name} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+    root = Path(__file__).resolve().parent.parent
+    for package in ("engine", "kernels"):
+        for path in sorted((root / package).rglob("*")):
+            if path.suffix in (".py", ".cpp", ".h"):
+                key.update(path.relative_to(root).as_posix().encode())
+                key.update(path.read_bytes())
+    return cache_dir() / "compile" / cpu_code_tag() / "graphs" / f"{key.hexdigest()[:32]}.json"
 
 
 def build_in_child(

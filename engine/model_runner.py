@@ -7,7 +7,6 @@ never touches a ``Request``; what it needs arrives in the batch.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -20,7 +19,7 @@ from engine.cuda_graphs import DecodeGraphs, capture_sizes, cuda_graphs_unsuppor
 from engine.deterministic_rows import PROBE_ROWS
 from engine.device import release_free_memory
 from engine.gguf_quantized import read_quantized_file
-from engine.graph_build import build_in_child
+from engine.graph_build import GraphBuild
 from engine.input_builder import ModelInput, build_model_input, pad_to_two_tokens
 from engine.kv_cache_memory import (
     allocate_kv_cache,
@@ -194,7 +193,7 @@ class ModelRunner:
                     max_decode_rows=max_decode_rows,
                     max_step_tokens=max_step_tokens,
                 )
-                builder = functools.partial(build_in_child, child_kwargs, torch.get_num_threads())
+                builder = GraphBuild(child_kwargs, torch.get_num_threads())
             self.graphs = StepGraphs(
                 self.model,
                 compile,

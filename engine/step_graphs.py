@@ -32,9 +32,9 @@ its layers call ``splitfuse_cpu::store_and_attend_step``, which attends decode t
 chunks alike from the step's tables, so it too runs under the C++ wrapper and is called through
 its entry point: no step has Python between its kernels, and no graph holds a Python object.
 Such graphs need no compiler to run, so a runner given a ``builder`` has them compiled in a
-process of its own (``engine/graph_build.py``) and only loads them: the serving process never
-imports torch's compiler (default model, int4, served with a 64 MiB KV cache: 486 MiB resident
-with its graphs against 685 MiB when they compiled in it, 2026-11-27).
+process of its own (``engine/graph_build.py``; kept for later starts) and only loads them: the
+serving process never imports torch's compiler (default model, int4, served with a 64 MiB KV
+cache: 486 MiB resident with its graphs against 685 MiB when they compiled in it, 2026-11-27).
 
     start()  -> mode "compiling": a thread compiles the graphs on dummy steps (over a scratch
                 KV cache of two blocks), while every step runs the eager forward
@@ -65,13 +65,16 @@ import threading
 import time
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from engine.device import cpu_code_tag, release_free_memory
 from engine.model_resolver import cache_dir
+
+if TYPE_CHECKING:
+    from engine.graph_build import GraphBuild
 
 logger = logging.getLogger(__name__)
 
@@ -448,7 +451,7 @@ class StepGraphs:
         unsupported: str = "",
         single_token_graph: bool = True,
         operator_step: Callable[[Any], Any] | None = None,
-        builder: Callable[[], dict[str, Any]] | None = None,
+        builder: GraphBuild | None = None,
     ) -> None:
         """``single_token_graph``: also compile the graph of exactly one token (otherwise a
         one-token step must reach the graph padded to two: deterministic mode, whose rows must
@@ -458,9 +461,9 @@ class StepGraphs:
         graph of two tokens and up where every product runs one operator for any row count
         (``tensor_plan_unsupported``; not in deterministic mode).
 
-        ``builder()``: compiles the same model's graphs in another process and returns their
-        manifest (``engine/graph_build.py``); used where every graph runs under the C++
-        wrapper, so that this process never imports the compiler (a failed build falls back to
+        ``builder``: the same model's graphs kept from an earlier start, or compiled in another
+        process (``engine/graph_build.py``); used where every graph runs under the C++ wrapper,
+        so that this process never imports the compiler (a failed build falls back to
         compiling here)."""
         self.model = model
         self.mode = EAGER
@@ -478,7 +481,7 @@ class StepGraphs:
         self.stack_direct: DirectGraph | None = None
         # the graphs were compiled in another process: only their entry points are here
         self.loaded = False
-        self.builder: Callable[[], dict[str, Any]] | None = None
+        self.builder: GraphBuild | None = None
         self._single_token_graph = single_token_graph
         self._done = threading.Event()
         self._done.set()
@@ -613,7 +616,7 @@ class StepGraphs:
         start, rss_before = time.perf_counter(), resident_mib()
         if self.builder is not None:
             try:
-                self._load_built(dummy_step)
+                how = self._load_from_builder(dummy_step)
             except Exception:  # noqa: BLE001 (any failure of the other process: compile here)
                 logger.exception(
                     "compile: the step graphs could not be built in a process of their own; "
@@ -628,10 +631,10 @@ class StepGraphs:
                 self.mode = COMPILED
                 self._done.set()
                 logger.info(
-                    "compile: step graphs ready in %.1f s (built in a process of their own, "
-                    "called through their entry points); resident memory %.0f MiB before, "
-                    "%.0f MiB after",
+                    "compile: step graphs ready in %.1f s (%s, called through their entry "
+                    "points); resident memory %.0f MiB before, %.0f MiB after",
                     self.compile_seconds,
+                    how,
                     rss_before,
                     resident_mib(),
                 )
@@ -687,14 +690,36 @@ class StepGraphs:
             resident_mib(),
         )
 
-    def _load_built(self, dummy_step: Callable[[int, bool], tuple]) -> None:
-        """Loads the graphs ``builder`` compiled elsewhere: each graph's arguments are read
-        from this model through the sources the compiler recorded there, checked to be laid
-        out as there, and the graph's output on a dummy step checked to be, bit for bit, what
-        it gave there (the same code on the same weights and inputs). Raises where any of it
-        fails."""
+    def _load_from_builder(self, dummy_step: Callable[[int, bool], tuple]) -> str:
+        """Loads the graphs kept from an earlier start where they fit, else builds them in
+        another process, loads them and keeps them; says which. Raises where the build or the
+        load fails."""
         assert self.builder is not None
-        manifest = self.builder()
+        kept = self.builder.cached()
+        if kept is not None:
+            try:
+                self._load_built(kept, dummy_step)
+                return "kept from an earlier start"
+            except Exception as error:  # noqa: BLE001 (the kept ones do not fit: build again)
+                logger.info(
+                    "compile: the step graphs kept from an earlier start do not fit (%s); "
+                    "building them again",
+                    error,
+                )
+                self.direct = self.stack_direct = None
+        manifest = self.builder.build()
+        self._load_built(manifest, dummy_step)
+        self.builder.keep(manifest)
+        return "built in a process of their own"
+
+    def _load_built(
+        self, manifest: dict[str, Any], dummy_step: Callable[[int, bool], tuple]
+    ) -> None:
+        """Loads the graphs of ``manifest``, compiled elsewhere: each graph's arguments are
+        read from this model through the sources the compiler recorded there, checked to be
+        laid out as there, and the graph's output on a dummy step checked to be, bit for bit,
+        what it gave there (the same code on the same weights and inputs). Raises where any of
+        it fails."""
         loaded: dict[str, DirectGraph] = {}
         for graph in manifest["graphs"]:
             kind = graph["kind"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import engine.graph_build as graph_build
 import engine.step_graphs as step_graphs
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -108,8 +109,7 @@ def _loaded_graphs(engine: LLMEngine, manifest: dict) -> step_graphs.StepGraphs:
     graphs = step_graphs.StepGraphs(
         runner.model, compile=False, operator_step=runner.backend.operator_step
     )
-    graphs.builder = lambda: manifest
-    graphs._load_built(runner._dummy_step)
+    graphs._load_built(manifest, runner._dummy_step)
     return graphs
 
 
@@ -162,14 +162,45 @@ def test_a_third_process_loads_the_graphs_and_refuses_ones_that_do_not_fit(
         _loaded_graphs(engine, altered(other_weights))
 
 
+def test_graphs_kept_from_an_earlier_start_load_at_once(
+    served, tiny_llama_dir, tmp_path, monkeypatch, caplog
+) -> None:
+    """A later engine of the same model and settings loads the kept graphs without starting
+    another process, with the same tokens; kept graphs that no longer fit (their library gone)
+    are built again, and the new manifest kept in their place."""
+    monkeypatch.setenv("SPLITFUSE_CACHE", str(tmp_path))
+    builds = []
+    build = graph_build.GraphBuild.build
+
+    def counted(self) -> dict:
+        builds.append(self.path)
+        return build(self)
+
+    monkeypatch.setattr(graph_build.GraphBuild, "build", counted)
+    first = _engine(tiny_llama_dir, compile=True)
+    assert first.runner.graphs.loaded and len(builds) == 1 and builds[0].exists()
+    second = _engine(tiny_llama_dir, compile=True)
+    assert second.runner.graphs.loaded and len(builds) == 1
+    assert _generate(second) == served["tokens"]
+
+    kept = json.loads(builds[0].read_text())
+    kept["graphs"][0]["library"] = str(tmp_path / "gone.so")
+    builds[0].write_text(json.dumps(kept))
+    with caplog.at_level(logging.INFO, logger="engine.step_graphs"):
+        third = _engine(tiny_llama_dir, compile=True)
+    assert "kept from an earlier start do not fit" in caplog.text
+    assert third.runner.graphs.loaded and len(builds) == 2
+    assert json.loads(builds[0].read_text())["graphs"][0]["library"] != kept["graphs"][0]["library"]
+
+
 def test_a_failed_build_compiles_in_this_process(tiny_llama_dir, monkeypatch, caplog) -> None:
     """If the other process fails, the graphs compile here, and serve."""
-    import engine.model_runner as model_runner
 
-    def failing(kwargs: dict, threads: int) -> dict:
+    def failing(self) -> dict:
         raise RuntimeError("building the step graphs failed (exit code 1)")
 
-    monkeypatch.setattr(model_runner, "build_in_child", failing)
+    monkeypatch.setattr(graph_build.GraphBuild, "cached", lambda self: None)
+    monkeypatch.setattr(graph_build.GraphBuild, "build", failing)
     with caplog.at_level(logging.ERROR, logger="engine.step_graphs"):
         engine = _engine(tiny_llama_dir, compile=True)
     graphs = engine.runner.graphs
