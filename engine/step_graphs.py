@@ -512,13 +512,7 @@ class StepGraphs:
         why = tensor_plan_unsupported(model.model) if tensor_plans else ""
         if tensor_plans and not why:
             self._stack_graphs = _GraphRecorder(cpp_wrapper)
-            self._stack = torch.compile(
-                _own_forward(model.model),
-                dynamic=True,
-                fullgraph=True,
-                backend=self._stack_graphs,
-                options=_compile_options(),
-            )
+            self._stack = self._whole_graph(self._stack_graphs)
         else:
             if why:
                 logger.info("compile: the graph of two tokens and up takes the plan object (%s)",
@@ -531,13 +525,17 @@ class StepGraphs:
             if why:
                 logger.info("compile: the graph of one token keeps a Python wrapper (%s)", why)
             self._single_graphs = _GraphRecorder({} if why else cpp_wrapper)
-            self._single = torch.compile(
-                _own_forward(model.model),
-                dynamic=True,
-                fullgraph=True,
-                backend=self._single_graphs,
-                options=_compile_options(),
-            )
+            self._single = self._whole_graph(self._single_graphs)
+
+    def _whole_graph(self, recorder: _GraphRecorder) -> Callable[..., torch.Tensor]:
+        """The forward compiled as one graph (no break) by ``recorder``, which keeps it."""
+        return torch.compile(
+            _own_forward(self.model.model),
+            dynamic=True,
+            fullgraph=True,
+            backend=recorder,
+            options=_compile_options(),
+        )
 
     def __call__(
         self,
