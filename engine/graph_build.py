@@ -17,11 +17,11 @@ inductor, sympy: ~110 MiB of modules for the default model) and leaves its state
       on the same dummy step; steps switch to them
 
 The child loads the weights from the model folder itself (a runner given its weights in memory
-compiles its graphs in the serving process), uses inductor's caches as any compile does, and exits if the
-serving process goes away. The libraries stay in inductor's cache folder, which the manifest
-points into, and the manifest is kept in ``<splitfuse cache>/compile/<CPU kind>/graphs``, under
-a key of everything the graphs depend on (the runner's arguments, the model folder's files, this
-package's code, torch's and Python's versions): a later start with the same key loads the
+compiles its graphs in the serving process), uses inductor's caches as any compile does, and
+exits if the serving process goes away. The libraries stay in inductor's cache folder, which the
+manifest points into, and the manifest is kept in ``<splitfuse cache>/compile/<CPU kind>/graphs``,
+under a key of everything the graphs depend on (the runner's arguments, the model folder's files,
+this package's code, torch's and Python's versions): a later start with the same key loads the
 graphs at once, with the same checks, and builds them again only where they do not fit.
 """
 

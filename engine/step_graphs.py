@@ -546,38 +546,21 @@ class StepGraphs:
     ) -> torch.Tensor:
         if self.mode != COMPILED:
             return self.model(input_ids, positions, plan, sample_rows)
-        if self.loaded:
-            return self._call_loaded(input_ids, positions, plan, sample_rows)
-        graph, graph_plan = self._graph(input_ids.shape[0], plan)
-        assert graph is not None
-        direct = self.direct if graph is self._single else None
-        if graph is self._stack and graph_plan is not plan:
-            direct = self.stack_direct
-        if direct is not None:
-            hidden = direct(input_ids=input_ids, positions=positions, plan=graph_plan)
-            if hidden is not None:
-                return self.model.compute_logits(hidden, sample_rows)
-        with torch.compiler.set_stance(self.stance):
-            hidden = graph(input_ids, positions, graph_plan)
-        return self.model.compute_logits(hidden, sample_rows)
-
-    def _call_loaded(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        plan: Any,
-        sample_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """A step through the graphs compiled in another process, or eagerly where none fits
-        (there is no compiler here to make one)."""
-        assert self.operator_step is not None
-        direct = self.direct if input_ids.shape[0] == 1 else self.stack_direct
-        tensors = self.operator_step(plan)
+        num_tokens = input_ids.shape[0]
+        direct = self.direct if num_tokens == 1 else self.stack_direct
+        # a graph called directly exists only where the plan has a tensor form
+        tensors = None if direct is None or self.operator_step is None else self.operator_step(plan)
         if direct is not None and tensors is not None:
             hidden = direct(input_ids=input_ids, positions=positions, plan=tensors)
             if hidden is not None:
                 return self.model.compute_logits(hidden, sample_rows)
-        return self.model(input_ids, positions, plan, sample_rows)
+        if self.loaded:  # graphs compiled in another process: no compiler here to make one
+            return self.model(input_ids, positions, plan, sample_rows)
+        graph, graph_plan = self._graph(num_tokens, plan)
+        assert graph is not None
+        with torch.compiler.set_stance(self.stance):
+            hidden = graph(input_ids, positions, graph_plan)
+        return self.model.compute_logits(hidden, sample_rows)
 
     def _graph(self, num_tokens: int, plan: Any) -> tuple[Callable[..., torch.Tensor] | None, Any]:
         """The compiled forward a step of ``num_tokens`` goes through, and the plan it takes."""
