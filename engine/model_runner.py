@@ -16,6 +16,7 @@ import torch
 
 from engine.config import QuantizationConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes, cuda_graphs_unsupported
+from engine.decode_stack import DecodeStack
 from engine.deterministic_rows import PROBE_ROWS
 from engine.device import release_free_memory
 from engine.gguf_quantized import read_quantized_file
@@ -152,6 +153,12 @@ class ModelRunner:
                     # the LM head multiplies the sampled rows alone: one a row at most
                     sampled = isinstance(module, ParallelLMHead)
                     module.set_deterministic(max_decode_rows if sampled else max_step_tokens)
+        # decode steps of a 4-bit Llama stack on a CPU: one C++ call (None: the graphs run them)
+        self.decode_stack = (
+            DecodeStack.build(self.model, parallel, deterministic, self.kv_cache)
+            if self.backend.name == "torch"
+            else None
+        )
         self.pad_single_token = False
         self.graphs: StepGraphs | DecodeGraphs
         if device.type == "cuda":
@@ -317,6 +324,12 @@ class ModelRunner:
                 inputs.positions, inputs.metadata, self.kv_cache, self.max_position
             )
             with torch.inference_mode():
+                if self.decode_stack is not None:
+                    logits = self.decode_stack(
+                        inputs.input_ids, inputs.positions, plan, inputs.sample_rows
+                    )
+                    if logits is not None:
+                        return logits
                 return self.graphs(inputs.input_ids, inputs.positions, plan, inputs.sample_rows)
 
     def drop_requests(self, request_ids: list[str]) -> None:

@@ -69,6 +69,7 @@ def _build() -> str:
             str(_SOURCE_DIR / "blocked_linear.cpp"),
             str(_SOURCE_DIR / "int4_linear.cpp"),
             str(_SOURCE_DIR / "graph_call.cpp"),
+            str(_SOURCE_DIR / "decode_stack.cpp"),
         ],
         extra_include_paths=[str(_SOURCE_DIR)],
         extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"],

@@ -43,20 +43,7 @@ struct Fp16 {
   uint16_t bits;
 };
 
-struct FixedOrderArgs {
-  const void* query;  // [num_tokens, num_heads, head_dim], rows query_stride apart
-  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
-  const void* value_cache;
-  const int32_t* block_tables;  // [num_rows, table_stride]
-  const int32_t* token_rows;  // [num_tokens]
-  const int32_t* token_lens;  // [num_tokens]
-  void* out;  // [num_tokens, num_heads, head_dim], the query's dtype
-  int64_t num_tokens, query_stride, table_stride, slot_stride, block_size;
-  int64_t num_heads, num_kv_heads, head_dim;
-  int64_t kv_per_item;  // KV heads of a token per work item: 1 or num_kv_heads
-  float scale;
-  int kinds;  // query kind * 3 + cache kind; kind: 0 float32, 1 bfloat16, 2 float16
-};
+using splitfuse_fixed_order::FixedOrderArgs;
 
 inline float to_float(float v) { return v; }
 inline float to_float(Bf16 v) { return bfloat16_to_float(v.bits); }
@@ -285,6 +272,17 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) { run_fn(args, begin, end); });
   return out;
 }
+
+void attend_items(const FixedOrderArgs& args, int64_t begin, int64_t end) {
+  run_fn(args, begin, end);
+}
+
+std::pair<int64_t, int64_t> item_of(const FixedOrderArgs& args, int64_t k) {
+  const auto item = splitfuse_attention_base::item_at(args, k);  // every body numbers alike
+  return {item.token, item.kv0};
+}
+
+int attention_kind(const at::Tensor& t, const char* name) { return kind_of(t, name); }
 
 std::pair<at::Tensor, at::Tensor> layer_caches(const char* op, const at::Tensor& kv_cache,
                                                int64_t layer) {

@@ -1,6 +1,7 @@
-// What fixed_order_attention.cpp shares with the other attention operator of kernels/cpu/
-// (ragged_attention.cpp): the layer's caches taken from the whole cache, the store of a step's
-// K/V into their slots, and the fixed-order attention itself. `op` names the calling operator in
+// What fixed_order_attention.cpp shares with the other operators of kernels/cpu/
+// (ragged_attention.cpp, decode_stack.cpp): the layer's caches taken from the whole cache, the
+// store of a step's K/V into their slots, and the fixed-order attention itself (whole, or by
+// work items for a caller's own parallel region). `op` names the calling operator in
 // the messages of the checks.
 #pragma once
 
@@ -10,6 +11,22 @@
 #include <utility>
 
 namespace splitfuse_fixed_order {
+
+// The fixed-order kernel's arguments (fixed_order_attention_body.h), raw pointers.
+struct FixedOrderArgs {
+  const void* query;  // [num_tokens, num_heads, head_dim], rows query_stride apart
+  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_rows, table_stride]
+  const int32_t* token_rows;  // [num_tokens]
+  const int32_t* token_lens;  // [num_tokens]
+  void* out;  // [num_tokens, num_heads, head_dim], the query's dtype
+  int64_t num_tokens, query_stride, table_stride, slot_stride, block_size;
+  int64_t num_heads, num_kv_heads, head_dim;
+  int64_t kv_per_item;  // KV heads of a token per work item: 1 or num_kv_heads
+  float scale;
+  int kinds;  // query kind * 3 + cache kind; kind: 0 float32, 1 bfloat16, 2 float16
+};
 
 // The key and value caches [num_blocks, block_size, num_kv_heads, head_dim] of layer `layer` of
 // a contiguous kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: views.
@@ -33,5 +50,17 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& token_rows, const at::Tensor& token_lens, double scale);
+
+// For a caller that runs its own parallel region (decode_stack.cpp): work items [begin, end)
+// of the fixed-order kernel on `args` (items as fixed_order_attention_body.h's item_at numbers
+// them: (token, group of kv_per_item KV heads)), on inputs its checks accept.
+void attend_items(const FixedOrderArgs& args, int64_t begin, int64_t end);
+
+// (token, first KV head) of work item k of `args`: item k attends with query heads
+// kv0 * G .. (kv0 + kv_per_item) * G - 1 of that token (G query heads a KV head).
+std::pair<int64_t, int64_t> item_of(const FixedOrderArgs& args, int64_t k);
+
+// The `kinds` code of a float32 (0), bfloat16 (1) or float16 (2) tensor; raises otherwise.
+int attention_kind(const at::Tensor& t, const char* name);
 
 }  // namespace splitfuse_fixed_order

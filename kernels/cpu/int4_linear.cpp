@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include "float16_bits.h"
+#include "int4_linear.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -97,14 +98,7 @@ static inline vint round_even(vfloat v) { return (vint)_mm_cvtps_epi32((__m128)v
 
 namespace {
 
-struct Int4Kernels {
-  const char* name;
-  void (*quantize_floats)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*);
-  void (*quantize_bf16)(const uint16_t*, int64_t, int64_t, int64_t, int8_t*, float*, float*);
-  void (*columns)(const int8_t*, const float*, const float*, int64_t, int64_t, int64_t,
-                  const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t,
-                  float*, float*);
-};
+using splitfuse_int4::Int4Kernels;
 
 #define SF_KERNELS(ns, label)                                                                \
   Int4Kernels {                                                                              \
@@ -130,6 +124,12 @@ Int4Kernels pick_kernels() {
 }
 
 const Int4Kernels kernels = pick_kernels();
+
+}  // namespace
+
+const Int4Kernels& splitfuse_int4::int4_kernels() { return kernels; }
+
+namespace {
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t out_features, int64_t group_size) {

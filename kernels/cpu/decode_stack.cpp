@@ -1,0 +1,489 @@
+// splitfuse_cpu.DecodeStack: a decode step of a Llama stack whose products are 4-bit
+// (int4_linear.cpp), every layer in one parallel region of the CPU's threads.
+//
+// A decode step of one or a few tokens reads ~66 MB of 4-bit weights in ~1.4 ms on 2 cores, but
+// as a graph of operators it ran ~10 of them a layer: each a dispatcher call, a tensor or two
+// allocated, a fork and a join of the threads, and between them the first thread's serial
+// work, which the weights' stream keeps pushing out of the caches; the second thread waited for
+// work ~45% of a step. Here the threads run the whole stack together and meet at 5 barriers a
+// layer, each computing its share of every product's column blocks; what is small and serial
+// (the norms, rounding the rows to int8) each thread computes whole for itself rather than
+// waiting for one to do it.
+//
+// Per layer, with the model's roundings (engine/models/llama.py; activations float32 or
+// bfloat16, every product's output rounded to the activations' dtype):
+//
+//   summed = x + residual; residual = summed         (x alone in the first layer)
+//   normed = round(round(rms_norm(summed)) * w_in)
+//   qkv    = round(int4(normed))                        -> rotary on q and k (float32, rounded)
+//   K/V stored into slots[t] of the layer's cache; attention of each token over its context
+//          (the fixed-order kernel of fixed_order_attention.cpp: the same bits as the
+//          operator store_and_attend_step gives a decode token)
+//   x      = round(int4(attention))
+//   summed = x + residual; residual = summed; normed = round(round(rms_norm(summed)) * w_post)
+//   act    = round(round(silu(gate)) * up), gate and up = round(int4(normed)) halves
+//   x      = round(int4(act))
+//
+// and the final norm after the last layer. The products and attention are the operators' own
+// kernels on the same inputs, so they give the same bits as the operators; the norms, rotary
+// and SiLU are written here, in float32 as the model computes them, and may differ from
+// PyTorch's in the last bit of a float32 before rounding (a sum's order, an exp's polynomial).
+//
+// Every input is checked before the cache is written; a bad one raises and changes nothing.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include "fixed_order_attention.h"
+#include "float16_bits.h"
+#include "int4_linear.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr const char* kName = "DecodeStack";
+constexpr int64_t kCols = 16;  // output columns per packed 4-bit block
+// Steps of at most this many tokens load their contexts' cache lines ahead of the arithmetic
+// (as fixed_order_attention.cpp's touch_contexts), and of at least kWholeTokenItems tokens a
+// thread give an attention item a token's every KV head (as its attend).
+constexpr int64_t kTouchTokens = 8;
+constexpr int64_t kWholeTokenItems = 4;
+
+// float -> bfloat16 -> float, to nearest even (as torch's conversion; NaN stays NaN); no
+// branch, so that loops of it vectorize
+inline float round_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  bits = (bits & 0x7fffffffu) > 0x7f800000u ? bits : rounded;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline uint16_t bf16_bits(float rounded) {
+  uint32_t bits;
+  std::memcpy(&bits, &rounded, sizeof bits);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// exp(x) for x <= 0 (Cephes' polynomial on x - n ln 2, then 2^n from the exponent bits):
+// within 2 ulp of expf; written so that a loop of it vectorizes.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
+// x / (1 + exp(-x)), as sigmoid through exp(-|x|)
+inline float silu(float x) {
+  const float e = exp_nonpositive(-std::fabs(x));
+  const float sigmoid = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  return x * sigmoid;
+}
+
+// The elementwise loops, compiled for AVX-512, AVX2 and the baseline (picked at load).
+#define SF_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// out[i] = in[i] rounded to the activations' dtype
+SF_CLONES void round_into(const float* in, float* out, int64_t n, bool bf16) {
+  if (bf16)
+    for (int64_t i = 0; i < n; ++i) out[i] = round_bf16(in[i]);
+  else if (in != out)
+    std::memcpy(out, in, sizeof(float) * n);
+}
+
+// One row: residual = in (+ residual, rounded); out = round(round(residual * inverse rms) * w)
+SF_CLONES void norm_row(const float* in, float* residual, const float* w, float* out,
+                        int64_t n, float eps, bool first, bool bf16) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float sum = first ? in[i] : in[i] + residual[i];
+    residual[i] = bf16 && !first ? round_bf16(sum) : sum;
+  }
+  float lanes[16] = {};  // 16 partial sums, so that the loop vectorizes
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += residual[i + j] * residual[i + j];
+  for (; i < n; ++i) lanes[0] += residual[i] * residual[i];
+  float squares = 0.0f;
+  for (int j = 0; j < 16; ++j) squares += lanes[j];
+  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
+  if (bf16)
+    for (int64_t i = 0; i < n; ++i) out[i] = round_bf16(round_bf16(residual[i] * inverse) * w[i]);
+  else
+    for (int64_t i = 0; i < n; ++i) out[i] = residual[i] * inverse * w[i];
+}
+
+// act[i] = round(round(silu(gate[i])) * up[i])
+SF_CLONES void silu_mul(const float* gate, const float* up, float* act, int64_t n, bool bf16) {
+  if (bf16)
+    for (int64_t i = 0; i < n; ++i) act[i] = round_bf16(round_bf16(silu(gate[i])) * up[i]);
+  else
+    for (int64_t i = 0; i < n; ++i) act[i] = silu(gate[i]) * up[i];
+}
+
+// [begin, end) of n items for thread `me` of `threads`: contiguous shares, as at::parallel_for
+std::pair<int64_t, int64_t> share(int64_t n, int threads, int me) {
+  const int64_t chunk = (n + threads - 1) / threads;
+  return {std::min(n, me * chunk), std::min(n, (me + 1) * chunk)};
+}
+
+struct Product {  // a 4-bit weight [out_features, in_features] packed as PackedInt4
+  at::Tensor packed, scales, mins;
+  int64_t out_features = 0, in_features = 0;
+  const uint8_t* packed_ptr = nullptr;  // the tensors' data, read once
+  const uint16_t* scales_ptr = nullptr;
+  const uint16_t* mins_ptr = nullptr;
+
+  int64_t blocks() const { return (out_features + kCols - 1) / kCols; }
+};
+
+struct Layer {
+  std::vector<float> input_norm, post_norm;  // the norms' weights as floats
+  Product qkv, o, gate_up, down;
+};
+
+struct DecodeStack : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+  std::vector<float> final_norm;
+  at::Tensor cos_sin;  // [max_position, head_dim] float32: cos half, sin half
+  at::ScalarType dtype;  // the activations' (and the cache's): float32 or bfloat16
+  int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, group_size;
+  int64_t max_tokens;
+  float eps;
+
+  // weights: per layer, in this order, input_norm, qkv (packed, scales, mins), o (3), post_norm,
+  // gate_up (3), down (3); then the final norm. sizes: num_heads, num_kv_heads, head_dim,
+  // intermediate_size, group_size, max_tokens.
+  DecodeStack(std::vector<at::Tensor> weights, at::Tensor cos_sin_, std::vector<int64_t> sizes,
+              double eps_)
+      : cos_sin(std::move(cos_sin_)), eps(static_cast<float>(eps_)) {
+    TORCH_CHECK(sizes.size() == 6, kName, ": sizes must be [num_heads, num_kv_heads, head_dim, "
+                "intermediate_size, group_size, max_tokens]");
+    num_heads = sizes[0], num_kv_heads = sizes[1], head_dim = sizes[2];
+    intermediate_size = sizes[3], group_size = sizes[4], max_tokens = sizes[5];
+    TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0 &&
+                    head_dim % 2 == 0 && max_tokens > 0,
+                kName, ": bad head counts, head_dim or max_tokens");
+    TORCH_CHECK(intermediate_size > 0 && intermediate_size % kCols == 0, kName,
+                ": intermediate_size must be a multiple of ", kCols);
+    TORCH_CHECK(weights.size() >= 15 && (weights.size() - 1) % 14 == 0, kName,
+                ": weights must be 14 tensors a layer and the final norm's");
+    TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == head_dim && cos_sin.is_contiguous() &&
+                    cos_sin.scalar_type() == at::kFloat && cos_sin.device().is_cpu(),
+                kName, ": cos_sin must be a contiguous float32 [max_position, head_dim]");
+    const at::Tensor& last = weights.back();
+    TORCH_CHECK(last.dim() == 1 && last.device().is_cpu() &&
+                    (last.scalar_type() == at::kFloat || last.scalar_type() == at::kBFloat16),
+                kName, ": the norms' weights must be float32 or bfloat16 CPU vectors");
+    dtype = last.scalar_type();
+    hidden_size = last.size(0);
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    final_norm = norm_weight(last);
+    for (size_t at = 0; at + 1 < weights.size(); at += 14) {
+      Layer layer;
+      layer.input_norm = norm_weight(weights[at]);
+      layer.qkv = product(weights, at + 1, q_size + 2 * kv_size, hidden_size);
+      layer.o = product(weights, at + 4, hidden_size, q_size);
+      layer.post_norm = norm_weight(weights[at + 7]);
+      layer.gate_up = product(weights, at + 8, 2 * intermediate_size, hidden_size);
+      layer.down = product(weights, at + 11, hidden_size, intermediate_size);
+      layers.push_back(std::move(layer));
+    }
+  }
+
+  std::vector<float> norm_weight(const at::Tensor& w) const {
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == hidden_size && w.scalar_type() == dtype &&
+                    w.device().is_cpu(),
+                kName, ": a norm's weight must be [", hidden_size, "] in the activations' dtype");
+    const at::Tensor as_float = w.to(at::kFloat).contiguous();
+    const float* p = as_float.data_ptr<float>();
+    return std::vector<float>(p, p + hidden_size);
+  }
+
+  Product product(const std::vector<at::Tensor>& weights, size_t at, int64_t out_features,
+                  int64_t in_features) const {
+    Product p{weights[at], weights[at + 1], weights[at + 2], out_features, in_features};
+    const int64_t blocks = p.blocks();
+    TORCH_CHECK(in_features % group_size == 0 && group_size % 32 == 0, kName,
+                ": group_size must be a multiple of 32 dividing ", in_features);
+    TORCH_CHECK(p.packed.dim() == 2 && p.packed.is_contiguous() &&
+                    p.packed.scalar_type() == at::kByte && p.packed.size(0) == blocks &&
+                    p.packed.size(1) == in_features * 8 && p.packed.device().is_cpu(),
+                kName, ": weight ", at, " must be contiguous uint8 [", blocks, ", ",
+                in_features * 8, "]");
+    for (const at::Tensor* t : {&p.scales, &p.mins})
+      TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kHalf &&
+                      t->size(0) == blocks && t->size(1) == in_features / group_size &&
+                      t->size(2) == kCols && t->device().is_cpu(),
+                  kName, ": the scales and mins of weight ", at, " must be contiguous float16 [",
+                  blocks, ", ", in_features / group_size, ", ", kCols, "]");
+    p.packed_ptr = p.packed.data_ptr<uint8_t>();
+    p.scales_ptr = reinterpret_cast<const uint16_t*>(p.scales.data_ptr<at::Half>());
+    p.mins_ptr = reinterpret_cast<const uint16_t*>(p.mins.data_ptr<at::Half>());
+    return p;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // The final norm's output [T, hidden_size] in the activations' dtype for the decode tokens'
+  // embeddings hidden [T, hidden_size]: token t sits at positions[t], stores its K/V into
+  // slots[t] (-1: not stored) and attends to positions 0 .. context_lens[t] - 1 of row t of
+  // block_tables [T, max_blocks]. kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads,
+  // head_dim] in the activations' dtype.
+  at::Tensor run(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor kv_cache,
+                 const at::Tensor& slots, const at::Tensor& block_tables,
+                 const at::Tensor& context_lens) {
+    check(hidden, positions, kv_cache, slots, block_tables, context_lens);
+    const int64_t T = hidden.size(0), H = hidden_size, D = head_dim;
+    const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
+    const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size;
+    const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+    const int64_t layer_elems = num_blocks * block_size * kv_size;  // one layer's K (or V)
+    const bool bf16 = dtype == at::kBFloat16;
+    const auto to_act = [bf16](float v) { return bf16 ? round_bf16(v) : v; };
+
+    // shared between the threads, floats holding values of the activations' dtype
+    std::vector<float> x(T * H), qkv(T * qkv_size), query(T * q_size), attended(T * q_size);
+    std::vector<float> projected(T * H), gate_up(T * 2 * I), act(T * I);
+    const at::Tensor hidden_f = hidden.to(at::kFloat).contiguous();
+    std::memcpy(x.data(), hidden_f.data_ptr<float>(), sizeof(float) * T * H);
+    at::Tensor out = at::empty({T, H}, hidden.options());
+
+    const int64_t* position = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    const float* cos_sin_ptr = cos_sin.data_ptr<float>();
+    char* cache = static_cast<char*>(kv_cache.data_ptr());
+    const int64_t elem = kv_cache.element_size();
+    const int64_t table_stride = block_tables.size(1);
+    std::vector<int32_t> rows(T);
+    for (int64_t t = 0; t < T; ++t) rows[t] = static_cast<int32_t>(t);
+    const splitfuse_int4::Int4Kernels& int4 = splitfuse_int4::int4_kernels();
+    const int threads = std::max(1, at::get_num_threads());
+    const int64_t kv_per_item = T >= kWholeTokenItems * threads ? num_kv_heads : 1;
+    const int64_t num_items = T * (num_kv_heads / kv_per_item);
+    const int64_t G = num_heads / num_kv_heads, half = D / 2;
+    const float scale = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
+    // each thread's own: the residual stream (the same values in every thread), a product's
+    // input rows and those rows rounded to int8 (values, and per run of 32 a scale and a sum),
+    // a rotated key
+    const int64_t max_in = std::max({H, q_size, I});
+    const int64_t own_floats = T * H + T * max_in + 2 * (T * max_in / 32) + D;
+    std::vector<float> own(threads * own_floats);
+    std::vector<int8_t> own_q8(threads * T * max_in);
+
+#pragma omp parallel num_threads(threads)
+    {
+      const int P = omp_get_num_threads(), me = omp_get_thread_num();
+      float* residual = own.data() + me * own_floats;
+      float* rows_in = residual + T * H;
+      float* d8 = rows_in + T * max_in;
+      float* s8 = d8 + T * max_in / 32;
+      float* key = s8 + T * max_in / 32;
+      int8_t* q8 = own_q8.data() + me * T * max_in;
+      alignas(64) float tile_out[4 * 64];
+
+      // rows_in = round(round(rms_norm(in + residual)) * w); residual = the sum (in alone in
+      // the first layer)
+      const auto norm = [&](const std::vector<float>& w, const float* in, bool first) {
+        for (int64_t t = 0; t < T; ++t)
+          norm_row(in + t * H, residual + t * H, w.data(), rows_in + t * H, H, eps, first, bf16);
+      };
+      // this thread's column blocks [block_begin, block_end) of product_out [T, N] = the rows
+      // last rounded to int8 times the weight, rounded to the activations' dtype
+      const auto multiply = [&](const Product& p, float* product_out, int64_t block_begin,
+                                int64_t block_end) {
+        if (block_begin >= block_end) return;
+        const int64_t N = p.out_features;
+        int4.columns(q8, d8, s8, T, p.in_features, N, p.packed_ptr, p.scales_ptr, p.mins_ptr,
+                     group_size, block_begin, block_end, tile_out, product_out);
+        const int64_t col_begin = block_begin * kCols, col_end = std::min(N, block_end * kCols);
+        for (int64_t t = 0; t < T; ++t)
+          round_into(product_out + t * N + col_begin, product_out + t * N + col_begin,
+                     col_end - col_begin, bf16);
+      };
+      const auto quantize = [&](const float* in, int64_t K) {
+        int4.quantize_floats(in, K, 0, T, q8, d8, s8);
+      };
+
+      for (int64_t l = 0; l < num_layers(); ++l) {
+        const Layer& layer = layers[l];
+        char* keys = cache + (2 * l) * layer_elems * elem;
+        char* values = cache + (2 * l + 1) * layer_elems * elem;
+
+        norm(layer.input_norm, x.data(), l == 0);
+        quantize(rows_in, H);
+        const auto [b0, b1] = share(layer.qkv.blocks(), P, me);
+        multiply(layer.qkv, qkv.data(), b0, b1);
+#pragma omp barrier
+        const splitfuse_fixed_order::FixedOrderArgs args{
+            query.data(), keys,          values,       tables,     rows.data(),
+            lens,         attended.data(), T,          q_size,     table_stride,
+            kv_size,      block_size,    num_heads,    num_kv_heads, D,
+            kv_per_item,  scale,         bf16 ? 1 : 0};
+        // a few tokens' contexts loaded into the caches, one byte a line (every KV head's),
+        // the threads sharing the blocks; the positions before each token's own, which its
+        // attention item stores now
+        if (T <= kTouchTokens) {
+          const int64_t slot_bytes = kv_size * elem;
+          const auto [c0, c1] = share(T * table_stride, P, me);
+          for (int64_t item = c0; item < c1; ++item) {
+            const int64_t t = item / table_stride, b = item % table_stride;
+            const int64_t used = std::min<int64_t>(block_size, lens[t] - 1 - b * block_size);
+            if (used <= 0) continue;
+            const int64_t offset = tables[t * table_stride + b] * block_size * slot_bytes;
+            const volatile char* k = keys + offset;
+            const volatile char* v = values + offset;
+            for (int64_t byte = 0; byte < used * slot_bytes; byte += 64) {
+              (void)k[byte];
+              (void)v[byte];
+            }
+          }
+        }
+        // this thread's attention items: first rotary on their query and key heads and their
+        // K/V stored (x * cos + rotate_half(x) * sin), so no other thread waits on them
+        const auto [i0, i1] = share(num_items, P, me);
+        for (int64_t k = i0; k < i1; ++k) {
+          const auto [t, kv0] = splitfuse_fixed_order::item_of(args, k);
+          const float* cos = cos_sin_ptr + position[t] * D;
+          const float* sin = cos + half;
+          const auto rotate = [&](const float* in, float* o) {
+            for (int64_t i = 0; i < half; ++i) {
+              o[i] = to_act(in[i] * cos[i] - in[i + half] * sin[i]);
+              o[i + half] = to_act(in[i + half] * cos[i] + in[i] * sin[i]);
+            }
+          };
+          const float* row = qkv.data() + t * qkv_size;
+          for (int64_t kv = kv0; kv < kv0 + kv_per_item; ++kv) {
+            for (int64_t h = kv * G; h < (kv + 1) * G; ++h)
+              rotate(row + h * D, query.data() + t * q_size + h * D);
+            if (slot[t] < 0) continue;
+            rotate(row + q_size + kv * D, key);
+            const float* value = row + q_size + kv_size + kv * D;
+            const int64_t at = (slot[t] * num_kv_heads + kv) * D;
+            if (bf16) {
+              auto* k_out = reinterpret_cast<uint16_t*>(keys) + at;
+              auto* v_out = reinterpret_cast<uint16_t*>(values) + at;
+              for (int64_t i = 0; i < D; ++i) k_out[i] = bf16_bits(key[i]);
+              for (int64_t i = 0; i < D; ++i) v_out[i] = bf16_bits(value[i]);
+            } else {
+              std::memcpy(reinterpret_cast<float*>(keys) + at, key, sizeof(float) * D);
+              std::memcpy(reinterpret_cast<float*>(values) + at, value, sizeof(float) * D);
+            }
+          }
+        }
+        if (i0 < i1) splitfuse_fixed_order::attend_items(args, i0, i1);
+#pragma omp barrier
+        round_into(attended.data(), rows_in, T * q_size, bf16);
+        quantize(rows_in, q_size);
+        const auto [o0, o1] = share(layer.o.blocks(), P, me);
+        multiply(layer.o, projected.data(), o0, o1);
+#pragma omp barrier
+        norm(layer.post_norm, projected.data(), false);
+        quantize(rows_in, H);
+        // gate columns [16 g0, 16 g1) and the up columns I apart, then SiLU(gate) * up there
+        const auto [g0, g1] = share(I / kCols, P, me);
+        multiply(layer.gate_up, gate_up.data(), g0, g1);
+        multiply(layer.gate_up, gate_up.data(), I / kCols + g0, I / kCols + g1);
+        for (int64_t t = 0; t < T; ++t) {
+          const float* gate = gate_up.data() + t * 2 * I + g0 * kCols;
+          silu_mul(gate, gate + I, act.data() + t * I + g0 * kCols, (g1 - g0) * kCols, bf16);
+        }
+#pragma omp barrier
+        quantize(act.data(), I);
+        const auto [n0, n1] = share(layer.down.blocks(), P, me);
+        multiply(layer.down, x.data(), n0, n1);
+#pragma omp barrier
+      }
+      if (me == 0) {
+        norm(final_norm, x.data(), false);
+        if (bf16) {
+          auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+          for (int64_t i = 0; i < T * H; ++i) o[i] = bf16_bits(rows_in[i]);
+        } else {
+          std::memcpy(out.data_ptr<float>(), rows_in, sizeof(float) * T * H);
+        }
+      }
+    }
+    return out;
+  }
+
+  void check(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& kv_cache,
+             const at::Tensor& slots, const at::Tensor& block_tables,
+             const at::Tensor& context_lens) const {
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size && hidden.size(0) >= 1 &&
+                    hidden.size(0) <= max_tokens && hidden.scalar_type() == dtype &&
+                    hidden.device().is_cpu(),
+                kName, ": hidden must be [1 .. ", max_tokens, ", ", hidden_size, "] in ", dtype);
+    const int64_t T = hidden.size(0);
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() &&
+                    kv_cache.size(0) == num_layers() && kv_cache.size(1) == 2 && kv_cache.size(4) == num_kv_heads &&
+                    kv_cache.size(5) == head_dim && kv_cache.scalar_type() == dtype &&
+                    kv_cache.device().is_cpu(),
+                kName, ": kv_cache must be a contiguous [", num_layers(), ", 2, num_blocks, "
+                "block_size, ", num_kv_heads, ", ", head_dim, "] tensor in ", dtype);
+    const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.is_contiguous() &&
+                    positions.scalar_type() == at::kLong && positions.device().is_cpu(),
+                kName, ": positions must be int64 [", T, "]");
+    TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous() &&
+                    slots.scalar_type() == at::kLong && slots.device().is_cpu(),
+                kName, ": slots must be int64 [", T, "]");
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == T &&
+                    block_tables.size(1) >= 1 && block_tables.is_contiguous() &&
+                    block_tables.scalar_type() == at::kInt && block_tables.device().is_cpu(),
+                kName, ": block_tables must be contiguous int32 [", T, ", max_blocks]");
+    TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == T &&
+                    context_lens.is_contiguous() && context_lens.scalar_type() == at::kInt &&
+                    context_lens.device().is_cpu(),
+                kName, ": context_lens must be int32 [", T, "]");
+    const int64_t* position = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    const int64_t table_stride = block_tables.size(1);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(position[t] >= 0 && position[t] < cos_sin.size(0), kName, ": token ", t,
+                  " at position ", position[t], " of ", cos_sin.size(0));
+      TORCH_CHECK(slot[t] >= -1 && slot[t] < num_blocks * block_size, kName, ": token ", t,
+                  " stores into slot ", slot[t], " of ", num_blocks * block_size);
+      TORCH_CHECK(lens[t] >= 1 && lens[t] <= table_stride * block_size, kName, ": token ", t,
+                  " attends to ", lens[t], " positions");
+      for (int64_t b = 0; b < (lens[t] + block_size - 1) / block_size; ++b)
+        TORCH_CHECK(tables[t * table_stride + b] >= 0 && tables[t * table_stride + b] < num_blocks,
+                    kName, ": token ", t, " reads block ", tables[t * table_stride + b], " of ",
+                    num_blocks);
+    }
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, double>())
+      .def("run", &DecodeStack::run)
+      .def("num_layers", &DecodeStack::num_layers);
+}

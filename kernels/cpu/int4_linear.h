@@ -1,0 +1,30 @@
+// What int4_linear.cpp shares with the other operators of kernels/cpu/ (decode_stack.cpp): the
+// 4-bit product's kernels for the widest instruction set the CPU runs, to call on raw pointers
+// from a parallel region of the caller's own.
+#pragma once
+
+#include <cstdint>
+
+namespace splitfuse_int4 {
+
+struct Int4Kernels {
+  const char* name;  // "avx512_vnni", "avx512", "avx2" or "sse2"
+  // Rows [begin, end) of x [M, K] rounded to int8 in runs of 32: values q [M, K], per run the
+  // scale d and the scaled sum s [M, K / 32] (engine/quantization.py, quantize_activations).
+  void (*quantize_floats)(const float* x, int64_t K, int64_t begin, int64_t end, int8_t* q,
+                          float* d, float* s);
+  void (*quantize_bf16)(const uint16_t* x, int64_t K, int64_t begin, int64_t end, int8_t* q,
+                        float* d, float* s);
+  // Column blocks [block_begin, block_end) (16 columns each) of out [M, N] float32 = the
+  // quantized rows times the packed weight; tile_out: 4 * 64 floats of scratch. A column's
+  // result does not depend on the block range nor on M.
+  void (*columns)(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K,
+                  int64_t N, const uint8_t* packed, const uint16_t* scales,
+                  const uint16_t* mins, int64_t group_size, int64_t block_begin,
+                  int64_t block_end, float* tile_out, float* out);
+};
+
+// Picked once, at load (SPLITFUSE_CPU_ISA=avx512, avx2 or sse2 asks for a narrower body).
+const Int4Kernels& int4_kernels();
+
+}  // namespace splitfuse_int4

@@ -1,0 +1,193 @@
+"""The decode stack (``engine/decode_stack.py``, ``kernels/cpu/decode_stack.cpp``): a 4-bit
+Llama's decode steps in one C++ call, against the same steps through the model's forward.
+
+Both run the same products and attention kernels on the same inputs; the stack's own norms,
+rotary and SiLU may differ from PyTorch's in a float32's last bit, which a bfloat16 rounding can
+turn into one bfloat16 step (2^-8 relative) of a value now and then. So in float32 the logits
+and the stored K/V agree to float32 noise (1e-4 absolute on logits of std ~1, two layers), and in
+bfloat16 the stored K/V to a bfloat16 step or two and the logits to 3% relative RMS (measured
+here: ~0.5%; a wrong head, position or layout gives 30% and more). Greedy tokens agree (the tiny
+models' logits spread, std ~1).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.decode_stack import MAX_TOKENS, unsupported
+from engine.input_builder import build_model_input
+from engine.llm_engine import LLMEngine
+from kernels.cpu_ops import has_fixed_order_attention
+from scheduler.batch import BatchRow, ScheduledBatch
+from scheduler.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not has_fixed_order_attention(), reason="the C++ operators are not built"
+)
+
+BLOCK_SIZE = 4
+
+
+def int4_engine(model_dir, dtype: str, **overrides) -> LLMEngine:
+    config = dict(
+        model=str(model_dir),
+        dtype=dtype,
+        num_kv_blocks=64,
+        block_size=BLOCK_SIZE,
+        quantization={"method": "int4", "group_size": 32},
+    )
+    config.update(overrides)
+    return LLMEngine(EngineConfig(**config))
+
+
+def run(engine: LLMEngine, rows: list[BatchRow]) -> torch.Tensor:
+    inputs = build_model_input(ScheduledBatch(rows=tuple(rows)), block_size=BLOCK_SIZE)
+    return engine.runner.run(inputs)
+
+
+def prefilled(engine: LLMEngine, num_rows: int, seed: int = 0) -> list[BatchRow]:
+    """Prompts of 5 .. 27 tokens written into the cache (one prompt step), and the decode rows
+    that follow them: one token each, at the position after its prompt."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    prompts, decodes, next_block = [], [], 0
+    for r in range(num_rows):
+        length = rng.randrange(5, 28)
+        table = tuple(range(next_block, next_block + length // BLOCK_SIZE + 1))
+        next_block += len(table)
+        ids = tuple(rng.randrange(vocab) for _ in range(length))
+        prompts.append(BatchRow(f"r{r}", ids, 0, table, True))
+        decodes.append(BatchRow(f"r{r}", (rng.randrange(vocab),), length, table, True))
+    run(engine, prompts)
+    return decodes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_rows", [1, 3, MAX_TOKENS])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_steps_match_the_model_forward(tiny_llama_dir, dtype, num_rows, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        engine = int4_engine(tiny_llama_dir, dtype)
+        runner = engine.runner
+        stack = runner.decode_stack
+        assert stack is not None
+        decodes = prefilled(engine, num_rows)
+        before = runner.kv_cache.clone()
+        got = run(engine, decodes)
+        got_cache = runner.kv_cache.clone()
+        runner.kv_cache.copy_(before)
+        runner.decode_stack = None
+        want = run(engine, decodes)
+        want_cache = runner.kv_cache
+    finally:
+        torch.set_num_threads(previous)
+    assert not torch.equal(got_cache, before), "the stack stored no K/V"
+    if dtype == "float32":
+        torch.testing.assert_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    else:
+        step = (want_cache.float().abs() * 2**-7).clamp_min(1e-30)  # two bfloat16 steps
+        assert ((got_cache.float() - want_cache.float()).abs() <= step).all()
+        rms = ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item()
+        assert rms < 0.03, f"relative RMS {rms:.3f}"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_greedy_generation_is_the_same_with_and_without_the_stack(tiny_llama_dir):
+    prompts = [[5, 17, 99, 3], [42] * 9, list(range(100, 121))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for use in (True, False):
+        engine = int4_engine(tiny_llama_dir, "float32")
+        if not use:
+            engine.runner.decode_stack = None
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        outputs[use] = tokens
+    assert outputs[True] == outputs[False]
+
+
+BAD_INPUTS = {
+    "too many tokens": dict(tokens=MAX_TOKENS + 1),
+    "hidden in another dtype": dict(hidden_dtype=torch.float64),
+    "hidden of another width": dict(hidden_width=32),
+    "a position past the rotary table": dict(position=10**6),
+    "a negative position": dict(position=-1),
+    "a slot past the cache": dict(slot=64 * BLOCK_SIZE),
+    "a slot below -1": dict(slot=-2),
+    "an empty context": dict(context_len=0),
+    "a context past the table": dict(context_len=3 * BLOCK_SIZE),
+    "a block past the cache": dict(block=64),
+    "a negative block": dict(block=-1),
+    "int64 tables": dict(tables_dtype=torch.int64),
+    "a cache of another dtype": dict(cache_dtype=torch.bfloat16),
+    "a cache of other layers": dict(cache_layers=3),
+    "int32 positions": dict(positions_dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_are_refused_and_change_nothing(tiny_llama_dir, case):
+    engine = int4_engine(tiny_llama_dir, "float32")
+    call = engine.runner.decode_stack.call
+    bad = BAD_INPUTS[case]
+    tokens = bad.get("tokens", 1)
+    hidden = torch.randn(tokens, bad.get("hidden_width", 64), dtype=bad.get("hidden_dtype"))
+    positions = torch.full((tokens,), bad.get("position", 5), dtype=bad.get("positions_dtype"))
+    slots = torch.full((tokens,), bad.get("slot", 5), dtype=torch.int64)
+    tables = torch.tensor([[0, bad.get("block", 1)]] * tokens, dtype=bad.get("tables_dtype"))
+    tables = tables.to(bad.get("tables_dtype", torch.int32))
+    context_lens = torch.full((tokens,), bad.get("context_len", 6), dtype=torch.int32)
+    cache = engine.runner.kv_cache
+    if "cache_dtype" in bad:
+        cache = cache.to(bad["cache_dtype"])
+    if "cache_layers" in bad:
+        cache = torch.zeros((bad["cache_layers"], *cache.shape[1:]), dtype=cache.dtype)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="DecodeStack"):
+        call.run(hidden, positions, cache, slots, tables, context_lens)
+    assert torch.equal(cache, before)
+
+
+def test_where_the_stack_applies(tiny_llama_dir, tiny_qwen2_dir):
+    assert int4_engine(tiny_llama_dir, "bfloat16").runner.decode_stack is not None
+    assert int4_engine(tiny_llama_dir, "float32", quantization="none").runner.decode_stack is None
+    assert int4_engine(tiny_llama_dir, "float32", quantization="int8").runner.decode_stack is None
+    assert int4_engine(tiny_qwen2_dir, "float32").runner.decode_stack is None  # q/k/v biases
+    runner = int4_engine(tiny_llama_dir, "float32").runner
+    assert "deterministic" in unsupported(runner.model, runner.parallel, True, runner.kv_cache)
+    assert "bias" in unsupported(
+        int4_engine(tiny_qwen2_dir, "float32").runner.model,
+        runner.parallel,
+        False,
+        runner.kv_cache,
+    )
+
+
+def test_prompt_steps_and_larger_steps_go_to_the_model(tiny_llama_dir):
+    engine = int4_engine(tiny_llama_dir, "float32")
+    calls = []
+    stack_call = engine.runner.decode_stack.call
+
+    class Counting:
+        def run(self, *args):
+            calls.append(args[0].shape[0])
+            return stack_call.run(*args)
+
+    engine.runner.decode_stack.call = Counting()
+    decodes = prefilled(engine, MAX_TOKENS + 1)  # a prompt step: not the stack's
+    assert calls == []
+    run(engine, decodes)  # too many tokens
+    assert calls == []
+    run(engine, decodes[:2])
+    assert calls == [2]
