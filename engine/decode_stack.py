@@ -1,19 +1,21 @@
-"""Decode steps of a Llama stack with 4-bit weights on a CPU, in one C++ call.
+"""Decode steps of a Llama stack on a CPU in one C++ call (4-bit or bfloat16 weights).
 
 ``splitfuse_cpu.DecodeStack`` (``kernels/cpu/decode_stack.cpp``) runs every layer of a step whose
 tokens all decode (one token a row, at most ``MAX_TOKENS``) in one parallel region of the CPU's
-threads, with the operators' own 4-bit product and attention kernels. As a graph of operators the
-same step forks and joins the threads ~10 times a layer and runs the serial work between them on
-one thread; the other waited ~45% of a one-stream step. The runner (``engine/model_runner.py``)
-tries it before the step graphs, eager or compiled: the embedding and the LM head stay the
-model's own.
+threads, with the operators' own product (``int4_linear``'s or ``blocked_linear``'s) and
+attention kernels. As a graph of operators the same step forks and joins the threads ~10 times a
+layer and runs the serial work between them on one thread; the other waited ~45% of a 4-bit
+one-stream step. The runner (``engine/model_runner.py``) tries it before planning the step for
+the graphs, eager or compiled (the operator checks every index it reads); the embedding and the
+LM head stay the model's own.
 
 It computes what the model's forward computes (``engine/models/llama.py``), with the same
 roundings to the activations' dtype; the products and attention give the same bits as the
 operators, while its norms, rotary and SiLU may differ from PyTorch's in a float32's last bit.
 It applies only where the model fits it: a dense Llama stack (no MoE, no q/k norm, no biases) on
-one process, every product of the stack 4-bit and packed for the CPU with one group size, the
-C++ operators built, and attention in the default (not deterministic) mode.
+one process, every product of the stack either 4-bit packed for the CPU with one group size or
+bfloat16 read by ``blocked_linear`` (CPUs with AVX-512 BF16), the C++ operators built, and
+attention in the default (not deterministic) mode.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from engine.layers import MatmulLayer
 from engine.models.llama import MLP, LlamaForCausalLM
 from engine.parallel import ParallelContext
+from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +36,13 @@ MAX_TOKENS = 8  # decode steps of at most this many tokens; larger ones go to th
 
 
 class DecodeStack:
-    """``stack(input_ids, positions, plan, sample_rows)`` -> the logits of a decode step, or
-    None where the step does not fit (a prompt token, too many tokens): see ``build``."""
+    """``stack(input_ids, positions, metadata, kv_cache, sample_rows)`` -> the logits of a
+    decode step, or None where the step does not fit (a prompt token, too many tokens)."""
 
-    def __init__(self, model: LlamaForCausalLM, call: Any) -> None:
+    def __init__(self, model: LlamaForCausalLM, call: Any, max_tokens: int) -> None:
         self.model = model
         self.call = call  # torch.classes.splitfuse_cpu.DecodeStack
+        self.max_tokens = max_tokens
 
     @classmethod
     def build(
@@ -56,56 +60,63 @@ class DecodeStack:
             return None
         assert isinstance(model, LlamaForCausalLM)
         stack = model.model
+        kind = _kind(_products(stack.layers[0]))
         weights: list[torch.Tensor] = []
-        group_size = 0
         for layer in stack.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            weights.append(layer.input_layernorm.weight)
-            for product in (attention.qkv_proj, attention.o_proj):
-                weights += [product.qweight, product.qscales, product.qmins]
-            weights.append(layer.post_attention_layernorm.weight)
-            for product in (mlp.gate_up_proj, mlp.down_proj):
-                weights += [product.qweight, product.qscales, product.qmins]
-            group_size = attention.qkv_proj.quant_group_size
+            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for product in _products(layer):
+                if kind == INT4:
+                    weights += [product.qweight, product.qscales, product.qmins]
+                else:
+                    weights.append(product.blocked_weight)
         weights.append(stack.norm.weight)
-        config = model.config
-        first = stack.layers[0].self_attn
+        first = stack.layers[0]
+        max_tokens = MAX_TOKENS
+        if kind == BLOCKED:  # (with AMX tiles oneDNN runs more than a few rows)
+            max_tokens = min(max_tokens, *(p.blocked_rows for p in _products(first)))
         sizes = [
-            first.num_heads,
-            first.num_kv_heads,
-            first.head_dim,
-            stack.layers[0].mlp.local_size,
-            group_size,
-            MAX_TOKENS,
+            first.self_attn.num_heads,
+            first.self_attn.num_kv_heads,
+            first.self_attn.head_dim,
+            first.mlp.local_size,
+            first.self_attn.qkv_proj.quant_group_size,
+            max_tokens,
+            kind,
         ]
         call = torch.classes.splitfuse_cpu.DecodeStack(
-            weights, stack.cos_sin_cache, sizes, config.rms_norm_eps
+            weights, stack.cos_sin_cache, sizes, model.config.rms_norm_eps
         )
-        logger.info("decode steps of up to %d tokens run the 4-bit stack in one call", MAX_TOKENS)
-        return cls(model, call)
+        logger.info(
+            "decode steps of up to %d tokens run the %s stack in one call",
+            max_tokens,
+            "4-bit" if kind == INT4 else "bfloat16",
+        )
+        return cls(model, call, max_tokens)
 
     def __call__(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        plan: Any,  # the backend's step plan
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         sample_rows: torch.Tensor,  # [num_sampled]
     ) -> torch.Tensor | None:
-        step = getattr(plan, "operator_step", None)
+        """The step's logits where every row decodes one token and there are at most
+        ``max_tokens``, else None. The operator checks every index it reads (no plan is made)."""
         num_tokens = input_ids.shape[0]
-        # every token decodes (the fixed-order kernel attends it), one a row
-        if step is None or not plan.fused or not 0 < num_tokens <= MAX_TOKENS:
+        if not 0 < num_tokens <= self.max_tokens or metadata.max_query_len != 1:
             return None
-        if step.block_tables.shape[0] != num_tokens:
+        if metadata.context_lens.shape[0] != num_tokens:
             return None
         hidden = self.model.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         hidden = self.call.run(
             hidden,
             positions,
-            step.kv_cache,
-            step.slot_mapping,
-            step.block_tables,
-            step.context_lens,
+            kv_cache,
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.query_start,
+            metadata.context_lens,
         )
         return self.model.compute_logits(hidden, sample_rows)
 
@@ -129,31 +140,49 @@ def unsupported(
     dtype = stack.norm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16) or kv_cache.dtype != dtype:
         return f"activations in {dtype} with a {kv_cache.dtype} cache"
-    group_sizes = set()
+    kinds, group_sizes = set(), set()
     for layer in stack.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        if not isinstance(mlp, MLP):
+        if not isinstance(layer.mlp, MLP):
             return "a mixture-of-experts layer"
-        if attention.q_norm is not None:
+        if layer.self_attn.q_norm is not None:
             return "q/k norms"
-        products: list[MatmulLayer] = [
-            attention.qkv_proj,
-            attention.o_proj,
-            mlp.gate_up_proj,
-            mlp.down_proj,
-        ]
-        for product in products:
-            if product.bias is not None:
-                return "a product with a bias"
-            if not product.int4_out_features:
-                return "a product not in 4 bits packed for the CPU"
-            group_sizes.add(product.quant_group_size)
-        if mlp.local_size % 16:
-            return "an intermediate size not a multiple of 16"
-    if len(group_sizes) != 1:
-        return f"products in groups of {sorted(group_sizes)}"
+        products = _products(layer)
+        if any(product.bias is not None for product in products):
+            return "a product with a bias"
+        kinds.add(_kind(products))
+        group_sizes.update(product.quant_group_size for product in products)
+    if kinds == {INT4}:
+        if len(group_sizes) != 1:
+            return f"products in groups of {sorted(group_sizes)}"
+        block_cols = 16
+    elif kinds == {BLOCKED}:
+        block_cols = 64
+    else:
+        return "products neither all 4-bit nor all bfloat16 in the blocked layout"
+    if stack.layers[0].mlp.local_size % block_cols:
+        return f"an intermediate size not a multiple of {block_cols}"
     from kernels.cpu_ops import has_fixed_order_attention
 
     if not has_fixed_order_attention():
         return "the C++ operators are not built"
     return None
+
+
+# how the products hold their weights (the operator's ``kind``)
+INT4 = 4  # 4 bits packed for the CPU (``PackedInt4``)
+BLOCKED = 16  # bfloat16 in oneDNN's blocked layout, read by ``blocked_linear``
+MIXED = 0  # anything else: not the stack's
+
+
+def _products(layer: torch.nn.Module) -> list[MatmulLayer]:
+    attention, mlp = layer.self_attn, layer.mlp
+    return [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _kind(products: list[MatmulLayer]) -> int:
+    """INT4, BLOCKED (every product of a decode step runs ``blocked_linear``) or MIXED."""
+    if all(product.int4_out_features for product in products):
+        return INT4
+    if all(product.blocked_weight is not None for product in products):
+        return BLOCKED
+    return MIXED

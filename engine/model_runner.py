@@ -320,16 +320,21 @@ class ModelRunner:
                 if logits is not None:
                     return logits
                 inputs = inputs.to(self.device)
+            if self.decode_stack is not None:
+                with torch.inference_mode():
+                    logits = self.decode_stack(
+                        inputs.input_ids,
+                        inputs.positions,
+                        inputs.metadata,
+                        self.kv_cache,
+                        inputs.sample_rows,
+                    )
+                if logits is not None:
+                    return logits
             plan = self.backend.plan(
                 inputs.positions, inputs.metadata, self.kv_cache, self.max_position
             )
             with torch.inference_mode():
-                if self.decode_stack is not None:
-                    logits = self.decode_stack(
-                        inputs.input_ids, inputs.positions, plan, inputs.sample_rows
-                    )
-                    if logits is not None:
-                        return logits
                 return self.graphs(inputs.input_ids, inputs.positions, plan, inputs.sample_rows)
 
     def drop_requests(self, request_ids: list[str]) -> None:

@@ -19,6 +19,8 @@
 
 #include <immintrin.h>
 
+#include "blocked_linear.h"
+
 #include <cstdint>
 
 namespace {
@@ -146,6 +148,13 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 }  // namespace
+
+bool splitfuse_blocked::runs_here() { return has_avx512_bf16; }
+
+void splitfuse_blocked::block_product(const uint16_t* x, int64_t M, int64_t K,
+                                      const uint16_t* block, uint16_t* out, int64_t ldo) {
+  block_all_rows(x, M, K, block, nullptr, out, ldo);
+}
 
 TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
   m.def("blocked_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");

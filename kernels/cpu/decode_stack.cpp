@@ -1,28 +1,29 @@
-// splitfuse_cpu.DecodeStack: a decode step of a Llama stack whose products are 4-bit
-// (int4_linear.cpp), every layer in one parallel region of the CPU's threads.
+// splitfuse_cpu.DecodeStack: a decode step of a Llama stack on a CPU, every layer in one
+// parallel region of the CPU's threads. Its products are 4-bit (int4_linear.cpp's kernel) or
+// bfloat16 in oneDNN's blocked layout (blocked_linear.cpp's), every product of a stack alike.
 //
-// A decode step of one or a few tokens reads ~66 MB of 4-bit weights in ~1.4 ms on 2 cores, but
+// A decode step of one or a few tokens reads ~66 MB of 4-bit weights (~200 MB in bfloat16), but
 // as a graph of operators it ran ~10 of them a layer: each a dispatcher call, a tensor or two
 // allocated, a fork and a join of the threads, and between them the first thread's serial
 // work, which the weights' stream keeps pushing out of the caches; the second thread waited for
-// work ~45% of a step. Here the threads run the whole stack together and meet at 5 barriers a
-// layer, each computing its share of every product's column blocks; what is small and serial
-// (the norms, rounding the rows to int8) each thread computes whole for itself rather than
-// waiting for one to do it.
+// work ~45% of a 4-bit step. Here the threads run the whole stack together and meet at 5
+// barriers a layer, each computing its share of every product's column blocks; what is small
+// and serial (the norms, a product's input rows rounded to int8) each thread computes whole for
+// itself rather than waiting for one to do it.
 //
 // Per layer, with the model's roundings (engine/models/llama.py; activations float32 or
 // bfloat16, every product's output rounded to the activations' dtype):
 //
 //   summed = x + residual; residual = summed         (x alone in the first layer)
 //   normed = round(round(rms_norm(summed)) * w_in)
-//   qkv    = round(int4(normed))                        -> rotary on q and k (float32, rounded)
+//   qkv    = round(product(normed))                     -> rotary on q and k (float32, rounded)
 //   K/V stored into slots[t] of the layer's cache; attention of each token over its context
 //          (the fixed-order kernel of fixed_order_attention.cpp: the same bits as the
 //          operator store_and_attend_step gives a decode token)
-//   x      = round(int4(attention))
+//   x      = round(product(attention))
 //   summed = x + residual; residual = summed; normed = round(round(rms_norm(summed)) * w_post)
-//   act    = round(round(silu(gate)) * up), gate and up = round(int4(normed)) halves
-//   x      = round(int4(act))
+//   act    = round(round(silu(gate)) * up), gate and up = round(product(normed)) halves
+//   x      = round(product(act))
 //
 // and the final norm after the last layer. The products and attention are the operators' own
 // kernels on the same inputs, so they give the same bits as the operators; the norms, rotary
@@ -40,6 +41,7 @@
 
 #include "fixed_order_attention.h"
 #include "float16_bits.h"
+#include "blocked_linear.h"
 #include "int4_linear.h"
 
 #include <algorithm>
@@ -148,14 +150,22 @@ std::pair<int64_t, int64_t> share(int64_t n, int threads, int me) {
   return {std::min(n, me * chunk), std::min(n, (me + 1) * chunk)};
 }
 
-struct Product {  // a 4-bit weight [out_features, in_features] packed as PackedInt4
-  at::Tensor packed, scales, mins;
+// How a stack's products hold their weights (every product of a stack alike)
+enum class Kind : int64_t {
+  kInt4 = 4,      // 4 bits, PackedInt4 (engine/quantization.py): int4_linear's kernel
+  kBlocked = 16,  // bfloat16 in oneDNN's blocked layout (engine/packed_linear.py): blocked_linear's
+};
+
+struct Product {  // a weight [out_features, in_features]
+  std::vector<at::Tensor> tensors;  // held: int4 packed, scales, mins; blocked the weight
   int64_t out_features = 0, in_features = 0;
-  const uint8_t* packed_ptr = nullptr;  // the tensors' data, read once
+  int64_t block_cols = 0;  // output columns per block of the layout: 16 (int4) or 64
+  const uint8_t* packed_ptr = nullptr;  // int4: the tensors' data, read once
   const uint16_t* scales_ptr = nullptr;
   const uint16_t* mins_ptr = nullptr;
+  const uint16_t* blocked_ptr = nullptr;  // blocked: [N / 64, K / 2, 64, 2] bfloat16
 
-  int64_t blocks() const { return (out_features + kCols - 1) / kCols; }
+  int64_t blocks() const { return (out_features + block_cols - 1) / block_cols; }
 };
 
 struct Layer {
@@ -168,27 +178,37 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<float> final_norm;
   at::Tensor cos_sin;  // [max_position, head_dim] float32: cos half, sin half
   at::ScalarType dtype;  // the activations' (and the cache's): float32 or bfloat16
+  Kind kind;
   int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, group_size;
   int64_t max_tokens;
   float eps;
 
-  // weights: per layer, in this order, input_norm, qkv (packed, scales, mins), o (3), post_norm,
-  // gate_up (3), down (3); then the final norm. sizes: num_heads, num_kv_heads, head_dim,
-  // intermediate_size, group_size, max_tokens.
+  // weights: per layer input_norm, post_norm, then qkv, o, gate_up and down, each as its kind
+  // holds it (int4: packed, scales, mins; blocked: the blocked weight); then the final norm.
+  // sizes: num_heads, num_kv_heads, head_dim, intermediate_size, group_size (int4's), max_tokens,
+  // kind (4: int4, 16: blocked bfloat16).
   DecodeStack(std::vector<at::Tensor> weights, at::Tensor cos_sin_, std::vector<int64_t> sizes,
               double eps_)
       : cos_sin(std::move(cos_sin_)), eps(static_cast<float>(eps_)) {
-    TORCH_CHECK(sizes.size() == 6, kName, ": sizes must be [num_heads, num_kv_heads, head_dim, "
-                "intermediate_size, group_size, max_tokens]");
+    TORCH_CHECK(sizes.size() == 7, kName, ": sizes must be [num_heads, num_kv_heads, head_dim, "
+                "intermediate_size, group_size, max_tokens, kind]");
     num_heads = sizes[0], num_kv_heads = sizes[1], head_dim = sizes[2];
     intermediate_size = sizes[3], group_size = sizes[4], max_tokens = sizes[5];
+    TORCH_CHECK(sizes[6] == static_cast<int64_t>(Kind::kInt4) ||
+                    sizes[6] == static_cast<int64_t>(Kind::kBlocked),
+                kName, ": kind must be 4 (int4) or 16 (blocked bfloat16)");
+    kind = static_cast<Kind>(sizes[6]);
+    TORCH_CHECK(kind != Kind::kBlocked || splitfuse_blocked::runs_here(), kName,
+                ": this CPU has no AVX-512 BF16 for blocked bfloat16 weights");
+    const int64_t block_cols = kind == Kind::kInt4 ? kCols : splitfuse_blocked::kBlockCols;
     TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0 &&
                     head_dim % 2 == 0 && max_tokens > 0,
                 kName, ": bad head counts, head_dim or max_tokens");
-    TORCH_CHECK(intermediate_size > 0 && intermediate_size % kCols == 0, kName,
-                ": intermediate_size must be a multiple of ", kCols);
-    TORCH_CHECK(weights.size() >= 15 && (weights.size() - 1) % 14 == 0, kName,
-                ": weights must be 14 tensors a layer and the final norm's");
+    TORCH_CHECK(intermediate_size > 0 && intermediate_size % block_cols == 0, kName,
+                ": intermediate_size must be a multiple of ", block_cols);
+    const size_t per_layer = 2 + 4 * (kind == Kind::kInt4 ? 3 : 1);
+    TORCH_CHECK(weights.size() >= per_layer + 1 && (weights.size() - 1) % per_layer == 0, kName,
+                ": weights must be ", per_layer, " tensors a layer and the final norm's");
     TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == head_dim && cos_sin.is_contiguous() &&
                     cos_sin.scalar_type() == at::kFloat && cos_sin.device().is_cpu(),
                 kName, ": cos_sin must be a contiguous float32 [max_position, head_dim]");
@@ -197,17 +217,20 @@ struct DecodeStack : torch::CustomClassHolder {
                     (last.scalar_type() == at::kFloat || last.scalar_type() == at::kBFloat16),
                 kName, ": the norms' weights must be float32 or bfloat16 CPU vectors");
     dtype = last.scalar_type();
+    TORCH_CHECK(kind == Kind::kInt4 || dtype == at::kBFloat16, kName,
+                ": blocked weights multiply bfloat16 activations");
     hidden_size = last.size(0);
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     final_norm = norm_weight(last);
-    for (size_t at = 0; at + 1 < weights.size(); at += 14) {
+    for (size_t at = 0; at + 1 < weights.size(); at += per_layer) {
       Layer layer;
       layer.input_norm = norm_weight(weights[at]);
-      layer.qkv = product(weights, at + 1, q_size + 2 * kv_size, hidden_size);
-      layer.o = product(weights, at + 4, hidden_size, q_size);
-      layer.post_norm = norm_weight(weights[at + 7]);
-      layer.gate_up = product(weights, at + 8, 2 * intermediate_size, hidden_size);
-      layer.down = product(weights, at + 11, hidden_size, intermediate_size);
+      layer.post_norm = norm_weight(weights[at + 1]);
+      size_t next = at + 2;
+      layer.qkv = product(weights, next, q_size + 2 * kv_size, hidden_size);
+      layer.o = product(weights, next, hidden_size, q_size);
+      layer.gate_up = product(weights, next, 2 * intermediate_size, hidden_size);
+      layer.down = product(weights, next, hidden_size, intermediate_size);
       layers.push_back(std::move(layer));
     }
   }
@@ -221,40 +244,62 @@ struct DecodeStack : torch::CustomClassHolder {
     return std::vector<float>(p, p + hidden_size);
   }
 
-  Product product(const std::vector<at::Tensor>& weights, size_t at, int64_t out_features,
+  // The product whose tensors start at weights[at]; `at` moves past them.
+  Product product(const std::vector<at::Tensor>& weights, size_t& at, int64_t out_features,
                   int64_t in_features) const {
-    Product p{weights[at], weights[at + 1], weights[at + 2], out_features, in_features};
+    Product p;
+    p.out_features = out_features, p.in_features = in_features;
+    if (kind == Kind::kBlocked) {
+      const at::Tensor& w = weights[at++];
+      p.tensors = {w};
+      p.block_cols = splitfuse_blocked::kBlockCols;
+      TORCH_CHECK(out_features % p.block_cols == 0 && in_features % 2 == 0 && w.dim() == 4 &&
+                      w.is_contiguous() && w.scalar_type() == at::kBFloat16 &&
+                      w.device().is_cpu() && w.size(0) == p.blocks() &&
+                      w.size(1) * 2 == in_features && w.size(2) == p.block_cols &&
+                      w.size(3) == 2,
+                  kName, ": blocked weight ", at - 1, " must be contiguous bfloat16 [",
+                  out_features / p.block_cols, ", ", in_features / 2, ", ", p.block_cols, ", 2]");
+      p.blocked_ptr = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+      return p;
+    }
+    p.tensors = {weights[at], weights[at + 1], weights[at + 2]};
+    at += 3;
+    p.block_cols = kCols;
+    const at::Tensor &packed = p.tensors[0], &scales = p.tensors[1], &mins = p.tensors[2];
     const int64_t blocks = p.blocks();
     TORCH_CHECK(in_features % group_size == 0 && group_size % 32 == 0, kName,
                 ": group_size must be a multiple of 32 dividing ", in_features);
-    TORCH_CHECK(p.packed.dim() == 2 && p.packed.is_contiguous() &&
-                    p.packed.scalar_type() == at::kByte && p.packed.size(0) == blocks &&
-                    p.packed.size(1) == in_features * 8 && p.packed.device().is_cpu(),
-                kName, ": weight ", at, " must be contiguous uint8 [", blocks, ", ",
+    TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                    packed.size(0) == blocks && packed.size(1) == in_features * 8 &&
+                    packed.device().is_cpu(),
+                kName, ": weight ", at - 3, " must be contiguous uint8 [", blocks, ", ",
                 in_features * 8, "]");
-    for (const at::Tensor* t : {&p.scales, &p.mins})
+    for (const at::Tensor* t : {&scales, &mins})
       TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kHalf &&
                       t->size(0) == blocks && t->size(1) == in_features / group_size &&
                       t->size(2) == kCols && t->device().is_cpu(),
-                  kName, ": the scales and mins of weight ", at, " must be contiguous float16 [",
-                  blocks, ", ", in_features / group_size, ", ", kCols, "]");
-    p.packed_ptr = p.packed.data_ptr<uint8_t>();
-    p.scales_ptr = reinterpret_cast<const uint16_t*>(p.scales.data_ptr<at::Half>());
-    p.mins_ptr = reinterpret_cast<const uint16_t*>(p.mins.data_ptr<at::Half>());
+                  kName, ": the scales and mins of weight ", at - 3,
+                  " must be contiguous float16 [", blocks, ", ", in_features / group_size, ", ",
+                  kCols, "]");
+    p.packed_ptr = packed.data_ptr<uint8_t>();
+    p.scales_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+    p.mins_ptr = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
     return p;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
   // The final norm's output [T, hidden_size] in the activations' dtype for the decode tokens'
-  // embeddings hidden [T, hidden_size]: token t sits at positions[t], stores its K/V into
-  // slots[t] (-1: not stored) and attends to positions 0 .. context_lens[t] - 1 of row t of
-  // block_tables [T, max_blocks]. kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads,
-  // head_dim] in the activations' dtype.
+  // embeddings hidden [T, hidden_size]: row t of the step (query_start [T + 1] = 0, 1, .., T)
+  // is token t, at position positions[t] = context_lens[t] - 1, which stores its K/V into
+  // slots[t] (the slot of that position in row t of block_tables [T, max_blocks], or -1: not
+  // stored) and attends to positions 0 .. context_lens[t] - 1. kv_cache [num_layers, 2,
+  // num_blocks, block_size, num_kv_heads, head_dim] in the activations' dtype.
   at::Tensor run(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor kv_cache,
                  const at::Tensor& slots, const at::Tensor& block_tables,
-                 const at::Tensor& context_lens) {
-    check(hidden, positions, kv_cache, slots, block_tables, context_lens);
+                 const at::Tensor& query_start, const at::Tensor& context_lens) {
+    check(hidden, positions, kv_cache, slots, block_tables, query_start, context_lens);
     const int64_t T = hidden.size(0), H = hidden_size, D = head_dim;
     const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size;
@@ -287,12 +332,15 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t G = num_heads / num_kv_heads, half = D / 2;
     const float scale = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
     // each thread's own: the residual stream (the same values in every thread), a product's
-    // input rows and those rows rounded to int8 (values, and per run of 32 a scale and a sum),
-    // a rotated key
+    // input rows and those rows as the product reads them (int4: rounded to int8, with a scale
+    // and a sum per run of 32; blocked: bfloat16 bits), a rotated key, a block's bfloat16 out
     const int64_t max_in = std::max({H, q_size, I});
+    const int64_t block_out = T * splitfuse_blocked::kBlockCols;
     const int64_t own_floats = T * H + T * max_in + 2 * (T * max_in / 32) + D;
+    const int64_t own_bytes = T * max_in * 2 + block_out * 2;
     std::vector<float> own(threads * own_floats);
-    std::vector<int8_t> own_q8(threads * T * max_in);
+    std::vector<uint8_t> own_rows(threads * own_bytes);
+    const int64_t block_cols = layers.front().qkv.block_cols;
 
 #pragma omp parallel num_threads(threads)
     {
@@ -302,7 +350,9 @@ struct DecodeStack : torch::CustomClassHolder {
       float* d8 = rows_in + T * max_in;
       float* s8 = d8 + T * max_in / 32;
       float* key = s8 + T * max_in / 32;
-      int8_t* q8 = own_q8.data() + me * T * max_in;
+      int8_t* q8 = reinterpret_cast<int8_t*>(own_rows.data() + me * own_bytes);
+      auto* x16 = reinterpret_cast<uint16_t*>(own_rows.data() + me * own_bytes);
+      auto* out16 = x16 + T * max_in;
       alignas(64) float tile_out[4 * 64];
 
       // rows_in = round(round(rms_norm(in + residual)) * w); residual = the sum (in alone in
@@ -311,21 +361,36 @@ struct DecodeStack : torch::CustomClassHolder {
         for (int64_t t = 0; t < T; ++t)
           norm_row(in + t * H, residual + t * H, w.data(), rows_in + t * H, H, eps, first, bf16);
       };
+      // the rows in[T, K] as the products read them (both threads do it, each for itself)
+      const auto prepare = [&](const float* in, int64_t K) {
+        if (kind == Kind::kInt4) {
+          int4.quantize_floats(in, K, 0, T, q8, d8, s8);
+        } else {  // bfloat16 values: their bits
+          for (int64_t i = 0; i < T * K; ++i) x16[i] = bf16_bits(in[i]);
+        }
+      };
       // this thread's column blocks [block_begin, block_end) of product_out [T, N] = the rows
-      // last rounded to int8 times the weight, rounded to the activations' dtype
+      // last prepared times the weight, rounded to the activations' dtype
       const auto multiply = [&](const Product& p, float* product_out, int64_t block_begin,
                                 int64_t block_end) {
         if (block_begin >= block_end) return;
-        const int64_t N = p.out_features;
-        int4.columns(q8, d8, s8, T, p.in_features, N, p.packed_ptr, p.scales_ptr, p.mins_ptr,
-                     group_size, block_begin, block_end, tile_out, product_out);
+        const int64_t N = p.out_features, K = p.in_features;
+        if (kind == Kind::kBlocked) {  // bfloat16 out, rounded once
+          const int64_t C = p.block_cols;
+          for (int64_t b = block_begin; b < block_end; ++b) {
+            splitfuse_blocked::block_product(x16, T, K, p.blocked_ptr + b * C * K, out16, C);
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t c = 0; c < C; ++c)
+                product_out[t * N + b * C + c] = bfloat16_to_float(out16[t * C + c]);
+          }
+          return;
+        }
+        int4.columns(q8, d8, s8, T, K, N, p.packed_ptr, p.scales_ptr, p.mins_ptr, group_size,
+                     block_begin, block_end, tile_out, product_out);
         const int64_t col_begin = block_begin * kCols, col_end = std::min(N, block_end * kCols);
         for (int64_t t = 0; t < T; ++t)
           round_into(product_out + t * N + col_begin, product_out + t * N + col_begin,
                      col_end - col_begin, bf16);
-      };
-      const auto quantize = [&](const float* in, int64_t K) {
-        int4.quantize_floats(in, K, 0, T, q8, d8, s8);
       };
 
       for (int64_t l = 0; l < num_layers(); ++l) {
@@ -334,7 +399,7 @@ struct DecodeStack : torch::CustomClassHolder {
         char* values = cache + (2 * l + 1) * layer_elems * elem;
 
         norm(layer.input_norm, x.data(), l == 0);
-        quantize(rows_in, H);
+        prepare(rows_in, H);
         const auto [b0, b1] = share(layer.qkv.blocks(), P, me);
         multiply(layer.qkv, qkv.data(), b0, b1);
 #pragma omp barrier
@@ -397,22 +462,24 @@ struct DecodeStack : torch::CustomClassHolder {
         if (i0 < i1) splitfuse_fixed_order::attend_items(args, i0, i1);
 #pragma omp barrier
         round_into(attended.data(), rows_in, T * q_size, bf16);
-        quantize(rows_in, q_size);
+        prepare(rows_in, q_size);
         const auto [o0, o1] = share(layer.o.blocks(), P, me);
         multiply(layer.o, projected.data(), o0, o1);
 #pragma omp barrier
         norm(layer.post_norm, projected.data(), false);
-        quantize(rows_in, H);
-        // gate columns [16 g0, 16 g1) and the up columns I apart, then SiLU(gate) * up there
-        const auto [g0, g1] = share(I / kCols, P, me);
+        prepare(rows_in, H);
+        // gate column blocks [g0, g1) and the up blocks I apart, then SiLU(gate) * up there
+        const int64_t gate_blocks = I / block_cols;
+        const auto [g0, g1] = share(gate_blocks, P, me);
         multiply(layer.gate_up, gate_up.data(), g0, g1);
-        multiply(layer.gate_up, gate_up.data(), I / kCols + g0, I / kCols + g1);
+        multiply(layer.gate_up, gate_up.data(), gate_blocks + g0, gate_blocks + g1);
         for (int64_t t = 0; t < T; ++t) {
-          const float* gate = gate_up.data() + t * 2 * I + g0 * kCols;
-          silu_mul(gate, gate + I, act.data() + t * I + g0 * kCols, (g1 - g0) * kCols, bf16);
+          const float* gate = gate_up.data() + t * 2 * I + g0 * block_cols;
+          silu_mul(gate, gate + I, act.data() + t * I + g0 * block_cols, (g1 - g0) * block_cols,
+                   bf16);
         }
 #pragma omp barrier
-        quantize(act.data(), I);
+        prepare(act.data(), I);
         const auto [n0, n1] = share(layer.down.blocks(), P, me);
         multiply(layer.down, x.data(), n0, n1);
 #pragma omp barrier
@@ -432,7 +499,7 @@ struct DecodeStack : torch::CustomClassHolder {
 
   void check(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& kv_cache,
              const at::Tensor& slots, const at::Tensor& block_tables,
-             const at::Tensor& context_lens) const {
+             const at::Tensor& query_start, const at::Tensor& context_lens) const {
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size && hidden.size(0) >= 1 &&
                     hidden.size(0) <= max_tokens && hidden.scalar_type() == dtype &&
                     hidden.device().is_cpu(),
@@ -455,15 +522,23 @@ struct DecodeStack : torch::CustomClassHolder {
                     block_tables.size(1) >= 1 && block_tables.is_contiguous() &&
                     block_tables.scalar_type() == at::kInt && block_tables.device().is_cpu(),
                 kName, ": block_tables must be contiguous int32 [", T, ", max_blocks]");
+    TORCH_CHECK(query_start.dim() == 1 && query_start.size(0) == T + 1 &&
+                    query_start.is_contiguous() && query_start.scalar_type() == at::kInt &&
+                    query_start.device().is_cpu(),
+                kName, ": query_start must be int32 [", T + 1, "]");
     TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == T &&
                     context_lens.is_contiguous() && context_lens.scalar_type() == at::kInt &&
                     context_lens.device().is_cpu(),
                 kName, ": context_lens must be int32 [", T, "]");
     const int64_t* position = positions.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
+    const int32_t* starts = query_start.data_ptr<int32_t>();
     const int32_t* lens = context_lens.data_ptr<int32_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     const int64_t table_stride = block_tables.size(1);
+    for (int64_t t = 0; t <= T; ++t)
+      TORCH_CHECK(starts[t] == t, kName, ": every row must hold one token (query_start[", t,
+                  "] is ", starts[t], ")");
     for (int64_t t = 0; t < T; ++t) {
       TORCH_CHECK(position[t] >= 0 && position[t] < cos_sin.size(0), kName, ": token ", t,
                   " at position ", position[t], " of ", cos_sin.size(0));
@@ -475,6 +550,13 @@ struct DecodeStack : torch::CustomClassHolder {
         TORCH_CHECK(tables[t * table_stride + b] >= 0 && tables[t * table_stride + b] < num_blocks,
                     kName, ": token ", t, " reads block ", tables[t * table_stride + b], " of ",
                     num_blocks);
+      // a decode token: its position is its context's last, stored in that position's slot
+      TORCH_CHECK(position[t] == lens[t] - 1, kName, ": token ", t, " at position ", position[t],
+                  " attends to ", lens[t], " positions");
+      const int64_t own = tables[t * table_stride + position[t] / block_size] * block_size +
+                          position[t] % block_size;
+      TORCH_CHECK(slot[t] == -1 || slot[t] == own, kName, ": token ", t, " stores into slot ",
+                  slot[t], ", its position's slot is ", own);
     }
   }
 };

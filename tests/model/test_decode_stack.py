@@ -1,5 +1,6 @@
-"""The decode stack (``engine/decode_stack.py``, ``kernels/cpu/decode_stack.cpp``): a 4-bit
-Llama's decode steps in one C++ call, against the same steps through the model's forward.
+"""The decode stack (``engine/decode_stack.py``, ``kernels/cpu/decode_stack.cpp``): a Llama's
+decode steps in one C++ call (4-bit weights, or bfloat16 ones in the blocked layout), against
+the same steps through the model's forward.
 
 Both run the same products and attention kernels on the same inputs; the stack's own norms,
 rotary and SiLU may differ from PyTorch's in a float32's last bit, which a bfloat16 rounding can
@@ -21,7 +22,7 @@ from engine.config import EngineConfig
 from engine.decode_stack import MAX_TOKENS, unsupported
 from engine.input_builder import build_model_input
 from engine.llm_engine import LLMEngine
-from kernels.cpu_ops import has_fixed_order_attention
+from kernels.cpu_ops import has_blocked_linear, has_fixed_order_attention
 from scheduler.batch import BatchRow, ScheduledBatch
 from scheduler.sampling_params import SamplingParams
 
@@ -66,16 +67,30 @@ def prefilled(engine: LLMEngine, num_rows: int, seed: int = 0) -> list[BatchRow]
     return decodes
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+WEIGHTS = {  # (dtype, quantization)
+    "int4 float32": ("float32", {"method": "int4", "group_size": 32}),
+    "int4 bfloat16": ("bfloat16", {"method": "int4", "group_size": 32}),
+    "bfloat16 blocked": ("bfloat16", "none"),
+}
+
+
+@pytest.mark.parametrize("weights", list(WEIGHTS))
 @pytest.mark.parametrize("num_rows", [1, 3, MAX_TOKENS])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_decode_steps_match_the_model_forward(tiny_llama_dir, dtype, num_rows, threads):
+def test_decode_steps_match_the_model_forward(tiny_llama_dir, weights, num_rows, threads):
+    dtype, quantization = WEIGHTS[weights]
+    if quantization == "none" and not has_blocked_linear():
+        pytest.skip("blocked_linear needs AVX-512 BF16")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        engine = int4_engine(tiny_llama_dir, dtype)
+        engine = int4_engine(tiny_llama_dir, dtype, quantization=quantization)
         runner = engine.runner
         stack = runner.decode_stack
+        if stack is None and quantization == "none":
+            why = unsupported(runner.model, runner.parallel, False, runner.kv_cache)
+            assert "blocked layout" in why
+            pytest.skip("oneDNN packed a weight in another layout at this thread count")
         assert stack is not None
         decodes = prefilled(engine, num_rows)
         before = runner.kv_cache.clone()
@@ -133,34 +148,51 @@ BAD_INPUTS = {
     "a cache of another dtype": dict(cache_dtype=torch.bfloat16),
     "a cache of other layers": dict(cache_layers=3),
     "int32 positions": dict(positions_dtype=torch.int32),
+    "a row of two tokens": dict(query_start=[0, 2]),
+    "a position before its context's last": dict(position=4),
+    "a slot not its position's": dict(slot=6),
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_inputs_are_refused_and_change_nothing(tiny_llama_dir, case):
-    engine = int4_engine(tiny_llama_dir, "float32")
-    call = engine.runner.decode_stack.call
-    bad = BAD_INPUTS[case]
+def step_inputs(engine: LLMEngine, **bad) -> tuple:
+    """A one-token step (position 5, context 6, slot 5 in block 1), with ``bad``'s changes."""
     tokens = bad.get("tokens", 1)
     hidden = torch.randn(tokens, bad.get("hidden_width", 64), dtype=bad.get("hidden_dtype"))
     positions = torch.full((tokens,), bad.get("position", 5), dtype=bad.get("positions_dtype"))
     slots = torch.full((tokens,), bad.get("slot", 5), dtype=torch.int64)
-    tables = torch.tensor([[0, bad.get("block", 1)]] * tokens, dtype=bad.get("tables_dtype"))
+    tables = torch.tensor([[0, bad.get("block", 1)]] * tokens)
     tables = tables.to(bad.get("tables_dtype", torch.int32))
+    query_start = torch.tensor(bad.get("query_start", range(tokens + 1)), dtype=torch.int32)
     context_lens = torch.full((tokens,), bad.get("context_len", 6), dtype=torch.int32)
     cache = engine.runner.kv_cache
     if "cache_dtype" in bad:
         cache = cache.to(bad["cache_dtype"])
     if "cache_layers" in bad:
         cache = torch.zeros((bad["cache_layers"], *cache.shape[1:]), dtype=cache.dtype)
+    return hidden, positions, cache, slots, tables, query_start, context_lens
+
+
+def test_the_refusals_start_from_a_step_that_runs(tiny_llama_dir):
+    engine = int4_engine(tiny_llama_dir, "float32")
+    out = engine.runner.decode_stack.call.run(*step_inputs(engine))
+    assert out.shape == (1, 64) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_are_refused_and_change_nothing(tiny_llama_dir, case):
+    engine = int4_engine(tiny_llama_dir, "float32")
+    args = step_inputs(engine, **BAD_INPUTS[case])
+    cache = args[2]
     before = cache.clone()
     with pytest.raises(RuntimeError, match="DecodeStack"):
-        call.run(hidden, positions, cache, slots, tables, context_lens)
+        engine.runner.decode_stack.call.run(*args)
     assert torch.equal(cache, before)
 
 
 def test_where_the_stack_applies(tiny_llama_dir, tiny_qwen2_dir):
     assert int4_engine(tiny_llama_dir, "bfloat16").runner.decode_stack is not None
+    bfloat16 = int4_engine(tiny_llama_dir, "bfloat16", quantization="none").runner.decode_stack
+    assert (bfloat16 is not None) == has_blocked_linear()
     assert int4_engine(tiny_llama_dir, "float32", quantization="none").runner.decode_stack is None
     assert int4_engine(tiny_llama_dir, "float32", quantization="int8").runner.decode_stack is None
     assert int4_engine(tiny_qwen2_dir, "float32").runner.decode_stack is None  # q/k/v biases

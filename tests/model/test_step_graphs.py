@@ -50,10 +50,12 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 def _engine(model_dir: Path, wait: bool = True, **overrides) -> LLMEngine:
     """An engine; with ``compile=True``, its graphs compiled before it returns (unless not
-    ``wait``)."""
+    ``wait``). Its decode steps go to the graphs too, not to the decode stack (tested in
+    ``test_decode_stack.py``), which would run them before the graphs."""
     config = dict(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=8)
     config.update(overrides)
     engine = LLMEngine(EngineConfig(**config))
+    engine.runner.decode_stack = None
     if wait:
         assert engine.wait_until_compiled(timeout=600)
     return engine
