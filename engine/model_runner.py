@@ -153,7 +153,8 @@ class ModelRunner:
                     # the LM head multiplies the sampled rows alone: one a row at most
                     sampled = isinstance(module, ParallelLMHead)
                     module.set_deterministic(max_decode_rows if sampled else max_step_tokens)
-        # decode steps of a 4-bit Llama stack on a CPU: one C++ call (None: the graphs run them)
+        # decode steps of a Llama stack with 4-bit or blocked bfloat16 weights on a CPU: one
+        # C++ call (``engine/decode_stack.py``; None: the graphs run them)
         self.decode_stack = (
             DecodeStack.build(self.model, parallel, deterministic, self.kv_cache)
             if self.backend.name == "torch"
@@ -308,9 +309,9 @@ class ModelRunner:
 
     def run(self, inputs: ModelInput) -> torch.Tensor:
         """One forward pass over the flat inputs, on the device or, for CUDA graphs, on the host
-        (a decode step there replays a graph: ``DecodeGraphs.replay``); any other step plans its
-        attention (checks, indices) on the device, then runs the model as ``self.graphs``
-        decides."""
+        (a decode step there replays a graph: ``DecodeGraphs.replay``); on a CPU a decode step
+        the decode stack takes runs there; any other step plans its attention (checks, indices)
+        on the device, then runs the model as ``self.graphs`` decides."""
         with self._timed("forward"):
             if self.pad_single_token and inputs.num_tokens == 1 and self.graphs.mode == COMPILED:
                 inputs = pad_to_two_tokens(inputs)

@@ -14,7 +14,10 @@ install`` builds them, later imports load the cached library):
   blocked layout, on CPUs with AVX-512 BF16 (``engine/packed_linear.py``; elsewhere, or without a
   compiler, oneDNN runs every product: ``has_blocked_linear``);
 - ``splitfuse_cpu.GraphCall``, a class that calls a graph compiled under inductor's C++ wrapper
-  through its entry point, holding the arguments that never change (``engine/step_graphs.py``).
+  through its entry point, holding the arguments that never change (``engine/step_graphs.py``);
+- ``splitfuse_cpu.DecodeStack``, a class that runs a decode step of a Llama stack with 4-bit or
+  blocked bfloat16 weights, every layer in one parallel region, with the kernels of the
+  operators above (``engine/decode_stack.py``).
 
 ``quant_linear(x, qweight, scales, group_size)``: x [M, K] float32 or bfloat16 times an 8-bit
 weight [N, K] (layouts in ``engine/quantization.py``), dequantized and transposed -> [M, N] float32.

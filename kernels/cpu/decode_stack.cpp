@@ -39,9 +39,9 @@
 
 #include <omp.h>
 
+#include "blocked_linear.h"
 #include "fixed_order_attention.h"
 #include "float16_bits.h"
-#include "blocked_linear.h"
 #include "int4_linear.h"
 
 #include <algorithm>

@@ -282,8 +282,6 @@ std::pair<int64_t, int64_t> item_of(const FixedOrderArgs& args, int64_t k) {
   return {item.token, item.kv0};
 }
 
-int attention_kind(const at::Tensor& t, const char* name) { return kind_of(t, name); }
-
 std::pair<at::Tensor, at::Tensor> layer_caches(const char* op, const at::Tensor& kv_cache,
                                                int64_t layer) {
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(), op,

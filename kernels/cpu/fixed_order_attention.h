@@ -60,7 +60,4 @@ void attend_items(const FixedOrderArgs& args, int64_t begin, int64_t end);
 // kv0 * G .. (kv0 + kv_per_item) * G - 1 of that token (G query heads a KV head).
 std::pair<int64_t, int64_t> item_of(const FixedOrderArgs& args, int64_t k);
 
-// The `kinds` code of a float32 (0), bfloat16 (1) or float16 (2) tensor; raises otherwise.
-int attention_kind(const at::Tensor& t, const char* name);
-
 }  // namespace splitfuse_fixed_order
