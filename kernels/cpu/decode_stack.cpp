@@ -506,9 +506,9 @@ struct DecodeStack : torch::CustomClassHolder {
                 kName, ": hidden must be [1 .. ", max_tokens, ", ", hidden_size, "] in ", dtype);
     const int64_t T = hidden.size(0);
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() &&
-                    kv_cache.size(0) == num_layers() && kv_cache.size(1) == 2 && kv_cache.size(4) == num_kv_heads &&
-                    kv_cache.size(5) == head_dim && kv_cache.scalar_type() == dtype &&
-                    kv_cache.device().is_cpu(),
+                    kv_cache.size(0) == num_layers() && kv_cache.size(1) == 2 &&
+                    kv_cache.size(4) == num_kv_heads && kv_cache.size(5) == head_dim &&
+                    kv_cache.scalar_type() == dtype && kv_cache.device().is_cpu(),
                 kName, ": kv_cache must be a contiguous [", num_layers(), ", 2, num_blocks, "
                 "block_size, ", num_kv_heads, ", ", head_dim, "] tensor in ", dtype);
     const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
