@@ -81,6 +81,8 @@ class ModelRunner:
         batch (see README); ``compile``: compiled step graphs on a CPU, CUDA graphs of decode
         steps of up to ``max_decode_rows`` rows on a GPU; ``max_step_tokens``: the most tokens a
         step holds (deterministic mode measures its products' rows up to it)."""
+        # this call's arguments, from which another process builds the same runner's graphs
+        arguments = {name: value for name, value in locals().items() if name != "self"}
         if (model_dir is None) == (state_dict is None):
             raise ValueError("give the weights as model_dir or as state_dict, not both or neither")
         self.model_config = model_config
@@ -184,23 +186,13 @@ class ModelRunner:
             builder = None
             if model_dir is not None and not deterministic:
                 # the same runner in another process, where the graphs compile (see
-                # ``engine/graph_build.py``; used only where no graph needs the compiler to run)
-                child_kwargs = dict(
-                    model_dir=model_dir,
-                    model_config=model_config,
-                    dtype=dtype,
-                    device=device,
-                    attention_backend=attention_backend,
-                    block_size=block_size,
-                    max_model_len=max_model_len,
-                    kv_cache_memory=kv_cache_memory,
-                    num_kv_blocks=num_kv_blocks,
-                    max_useful_blocks=max_useful_blocks,
-                    seed=seed,
-                    quantization=quantization,
-                    max_decode_rows=max_decode_rows,
-                    max_step_tokens=max_step_tokens,
-                )
+                # ``engine/graph_build.py``; used only where no graph needs the compiler to run):
+                # this call's arguments but the process group, compile setting and weights
+                child_kwargs = {
+                    name: value
+                    for name, value in arguments.items()
+                    if name not in ("parallel", "compile", "state_dict")
+                }
                 builder = GraphBuild(child_kwargs, torch.get_num_threads())
             self.graphs = StepGraphs(
                 self.model,

@@ -55,11 +55,8 @@ namespace {
 
 constexpr const char* kName = "DecodeStack";
 constexpr int64_t kCols = 16;  // output columns per packed 4-bit block
-// Steps of at most this many tokens load their contexts' cache lines ahead of the arithmetic
-// (as fixed_order_attention.cpp's touch_contexts), and of at least kWholeTokenItems tokens a
-// thread give an attention item a token's every KV head (as its attend).
-constexpr int64_t kTouchTokens = 8;
-constexpr int64_t kWholeTokenItems = 4;
+using splitfuse_fixed_order::kTouchTokens;
+using splitfuse_fixed_order::kWholeTokenItems;
 
 // float -> bfloat16 -> float, to nearest even (as torch's conversion; NaN stays NaN); no
 // branch, so that loops of it vectorize
@@ -412,20 +409,8 @@ struct DecodeStack : torch::CustomClassHolder {
         // the threads sharing the blocks; the positions before each token's own, which its
         // attention item stores now
         if (T <= kTouchTokens) {
-          const int64_t slot_bytes = kv_size * elem;
           const auto [c0, c1] = share(T * table_stride, P, me);
-          for (int64_t item = c0; item < c1; ++item) {
-            const int64_t t = item / table_stride, b = item % table_stride;
-            const int64_t used = std::min<int64_t>(block_size, lens[t] - 1 - b * block_size);
-            if (used <= 0) continue;
-            const int64_t offset = tables[t * table_stride + b] * block_size * slot_bytes;
-            const volatile char* k = keys + offset;
-            const volatile char* v = values + offset;
-            for (int64_t byte = 0; byte < used * slot_bytes; byte += 64) {
-              (void)k[byte];
-              (void)v[byte];
-            }
-          }
+          splitfuse_fixed_order::touch_items(args, c0, c1, 1);
         }
         // this thread's attention items: first rotary on their query and key heads and their
         // K/V stored (x * cos + rotate_half(x) * sin), so no other thread waits on them

@@ -11,7 +11,7 @@
 // every sum is in fixed_order_attention_body.h.
 //
 // A step of few tokens loads its contexts into the caches before the arithmetic
-// (touch_contexts).
+// (touch_items).
 //
 // The attention, the store and the layer's caches are shared with ragged_attention.cpp
 // (splitfuse_cpu::store_and_attend_step) through fixed_order_attention.h.
@@ -188,49 +188,6 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
   }
 }
 
-// Steps of at most this many tokens read their contexts once ahead of the arithmetic
-// (touch_contexts).
-constexpr int64_t kTouchTokens = 8;
-
-// Steps of at least this many tokens per thread give each work item a token's every KV head.
-constexpr int64_t kWholeTokenItems = 4;
-
-// A decode step finds its contexts in memory, not in the caches (the weights' stream has pushed
-// them out since the step before), and the arithmetic's loads, a block of positions at a time
-// between the sums, leave few misses in flight. So a step of few tokens first loads one byte of
-// every cache line its contexts span (every KV head's rows of each position: the slots of a
-// block are contiguous), loads that do not wait on one another, and the arithmetic then finds
-// them cached. One token at context 256, one layer, amid the weights' stream: 54 -> 38 us.
-// (Software prefetches of the same lines, even a layer ahead, changed nothing there.) Only reads:
-// no number changes.
-void touch_contexts(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                    const at::Tensor& block_tables, const at::Tensor& token_rows,
-                    const at::Tensor& token_lens) {
-  const int64_t num_tokens = token_rows.size(0), block_size = key_cache.size(1);
-  const int64_t table_stride = block_tables.size(1);
-  const int64_t block_bytes = key_cache.stride(0) * key_cache.element_size();
-  const int64_t slot_bytes = key_cache.stride(1) * key_cache.element_size();
-  const auto* keys = static_cast<const volatile char*>(key_cache.data_ptr());
-  const auto* values = static_cast<const volatile char*>(value_cache.data_ptr());
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* rows = token_rows.data_ptr<int32_t>();
-  const int32_t* lens = token_lens.data_ptr<int32_t>();
-  // (token, block of its table) items
-  at::parallel_for(0, num_tokens * table_stride, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t token = item / table_stride, b = item % table_stride;
-      const int64_t used = std::min<int64_t>(block_size, lens[token] - b * block_size);
-      if (used <= 0) continue;
-      const int64_t block = tables[static_cast<int64_t>(rows[token]) * table_stride + b];
-      const int64_t offset = block * block_bytes;
-      for (int64_t byte = 0; byte < used * slot_bytes; byte += 64) {
-        (void)keys[offset + byte];
-        (void)values[offset + byte];
-      }
-    }
-  });
-}
-
 }  // namespace
 
 namespace splitfuse_fixed_order {
@@ -243,8 +200,6 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t num_kv_heads = key_cache.size(2);
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
   if (num_tokens == 0) return out;
-  if (num_tokens <= kTouchTokens)
-    touch_contexts(key_cache, value_cache, block_tables, token_rows, token_lens);
   // a token's every KV head in one item where there are enough tokens to share out (each block
   // of its context is then read front to back, its slots' heads contiguous); a KV head per item
   // where there are few, so that threads share them
@@ -268,9 +223,40 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
                       kv_per_item,
                       static_cast<float>(scale),
                       kind_of(query, "query") * 3 + kind_of(key_cache, "the caches")};
+  if (num_tokens <= kTouchTokens)
+    at::parallel_for(0, num_tokens * args.table_stride, 1, [&](int64_t begin, int64_t end) {
+      touch_items(args, begin, end, 0);
+    });
   const int64_t num_items = num_tokens * (num_kv_heads / kv_per_item);
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) { run_fn(args, begin, end); });
   return out;
+}
+
+// A decode step finds its contexts in memory, not in the caches (the weights' stream has pushed
+// them out since the step before), and the arithmetic's loads, a block of positions at a time
+// between the sums, leave few misses in flight. So a step of few tokens first loads one byte of
+// every cache line its contexts span (every KV head's rows of each position: the slots of a
+// block are contiguous), loads that do not wait on one another, and the arithmetic then finds
+// them cached. One token at context 256, one layer, amid the weights' stream: 54 -> 38 us.
+// (Software prefetches of the same lines, even a layer ahead, changed nothing there.) Only reads:
+// no number changes.
+void touch_items(const FixedOrderArgs& args, int64_t begin, int64_t end, int64_t left_out) {
+  const int64_t elem = args.kinds % 3 == 0 ? 4 : 2;  // the caches' element size
+  const int64_t slot_bytes = args.slot_stride * elem, block_bytes = args.block_size * slot_bytes;
+  const auto* keys = static_cast<const volatile char*>(args.key_cache);
+  const auto* values = static_cast<const volatile char*>(args.value_cache);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t token = item / args.table_stride, b = item % args.table_stride;
+    const int64_t used =
+        std::min<int64_t>(args.block_size, args.token_lens[token] - left_out - b * args.block_size);
+    if (used <= 0) continue;
+    const int64_t row = args.token_rows[token];
+    const int64_t offset = args.block_tables[row * args.table_stride + b] * block_bytes;
+    for (int64_t byte = 0; byte < used * slot_bytes; byte += 64) {
+      (void)keys[offset + byte];
+      (void)values[offset + byte];
+    }
+  }
 }
 
 void attend_items(const FixedOrderArgs& args, int64_t begin, int64_t end) {

@@ -28,6 +28,12 @@ struct FixedOrderArgs {
   int kinds;  // query kind * 3 + cache kind; kind: 0 float32, 1 bfloat16, 2 float16
 };
 
+// Steps of at most kTouchTokens tokens read their contexts once ahead of the arithmetic
+// (touch_items); steps of at least kWholeTokenItems tokens a thread give each work item a
+// token's every KV head (kv_per_item = num_kv_heads), fewer one KV head.
+constexpr int64_t kTouchTokens = 8;
+constexpr int64_t kWholeTokenItems = 4;
+
 // The key and value caches [num_blocks, block_size, num_kv_heads, head_dim] of layer `layer` of
 // a contiguous kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: views.
 std::pair<at::Tensor, at::Tensor> layer_caches(const char* op, const at::Tensor& kv_cache,
@@ -55,6 +61,11 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
 // of the fixed-order kernel on `args` (items as fixed_order_attention_body.h's item_at numbers
 // them: (token, group of kv_per_item KV heads)), on inputs its checks accept.
 void attend_items(const FixedOrderArgs& args, int64_t begin, int64_t end);
+
+// Loads one byte of every cache line of the contexts of (token, block of its table) items
+// [begin, end) (item = token * table_stride + block), every KV head's rows, leaving out the last
+// `left_out` positions of each token's context; contiguous caches. Only reads.
+void touch_items(const FixedOrderArgs& args, int64_t begin, int64_t end, int64_t left_out);
 
 // (token, first KV head) of work item k of `args`: item k attends with query heads
 // kv0 * G .. (kv0 + kv_per_item) * G - 1 of that token (G query heads a KV head).
