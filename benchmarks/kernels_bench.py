@@ -18,8 +18,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from kernels import AttentionMetadata, build_cos_sin_cache, get_backend, torch_attention
 
@@ -357,6 +359,68 @@ def bench_cuda() -> None:
     shape = SmallOpShape(num_tokens=8192, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128)
     for name, fn, num_bytes in small_op_calls(triton_backend, shape, torch.bfloat16, device):
         report(f"{name}, {shape.num_tokens} tokens (Llama-8B shapes)", bench_ms(fn), num_bytes)
+    bench_quant_linear(copy_bandwidth)
+
+
+def graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
+    """One call's time inside a CUDA graph of ``calls`` calls (as a captured decode step runs
+    it: no launch from the host between kernels)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * calls)
+
+
+def bench_quant_linear(copy_bandwidth: float) -> None:
+    """The Triton W4A16 / W8A16 product against bfloat16 ``F.linear`` (cuBLAS) at decode and batch
+    row counts, each inside a CUDA graph; bandwidth counts the weight's bytes (with its scales)."""
+    from engine.quantization import QuantizedTensor, quantize
+    from kernels.triton_quant_linear import triton_quant_linear
+
+    shapes = [  # (name, out features, in features)
+        ("Llama-8B qkv", 6144, 4096),
+        ("Llama-8B down", 4096, 14336),
+        ("182M test model gate_up", 5632, 1024),
+        ("182M test model down", 1024, 2816),
+    ]
+    print("quantized product (us a call inside a CUDA graph; % of copy bandwidth for the weight)")
+    print(f"{'shape':28} {'rows':>5} {'bfloat16':>16} {'int8 (g128)':>16} {'int4 (g32)':>16}")
+    for name, num_out, num_in in shapes:
+        weight = torch.randn(num_out, num_in, device="cuda") / num_in**0.5
+        dense = weight.to(torch.bfloat16)
+        quantized = {}
+        for bits, group in ((8, 128), (4, 32)):
+            q = quantize(weight.cpu(), bits, group)
+            on = [None if t is None else t.cuda() for t in (q.qweight, q.scales, q.mins)]
+            quantized[bits] = QuantizedTensor(*on, bits, group)
+        for num_rows in (1, 8, 32, 256):
+            x = torch.randn(num_rows, num_in, device="cuda", dtype=torch.bfloat16)
+            cells = []
+            calls = [(partial(F.linear, x, dense), dense.numel() * 2)]
+            for q in quantized.values():
+                product = partial(
+                    triton_quant_linear, x, q.qweight, q.scales, q.mins, q.bits, q.group_size
+                )
+                calls.append((product, q.nbytes))
+            for fn, num_bytes in calls:
+                ms = graph_ms(fn)
+                share = num_bytes / (ms * 1e-3) / copy_bandwidth
+                cells.append(f"{ms * 1e3:8.1f} us {100 * share:3.0f}%")
+            print(f"{name:28} {num_rows:5} {' '.join(f'{c:>16}' for c in cells)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,13 +100,23 @@ def main() -> int:
         {"positions_ptr": "*i64", "query_ptr": "*bf16", "key_ptr": "*bf16", "cos_sin_ptr": "*fp32"},
         {"HALF": 32, "HALF_PADDED": 32, "HEADS_PADDED": 16, "KV_HEADS_PADDED": 4},
     )
-    for dtype, bits, block_m in (("bf16", 4, 16), ("fp16", 8, 32), ("fp32", 4, 16)):
+    for dtype, bits, num_cols in (
+        ("bf16", 4, 1024), ("fp16", 8, 2816), ("fp32", 4, 96), ("fp32", 8, 576),
+    ):  # fmt: skip
+        pointers = {"q_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp16",
+                    "mins_ptr": "*fp16", "out_ptr": f"*{dtype}"}  # fmt: skip
+        step = triton_quant_linear.tiles(num_cols)
         compile_kernel(
             triton_quant_linear._quant_linear_kernel,
-            {"x_ptr": f"*{dtype}", "q_ptr": "*u8" if bits == 4 else "*i8",
-             "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": f"*{dtype}"},
-            {"BITS": bits, "GROUP": 32, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 32},
+            {**pointers, "x_ptr": f"*{dtype}"},
+            {"BITS": bits, "GROUP": 32, "BLOCK_M": step.block_m, "BLOCK_N": step.block_n,
+             "BLOCK_K": step.block_k},
         )  # fmt: skip
+        compile_kernel(
+            triton_quant_linear._dequantize_kernel,
+            pointers,
+            {"BITS": bits, "GROUP": 32, "BLOCK_N": 32, "BLOCK_K": step.block_k},
+        )
     # the fused-MoE product: gate/up (rows shared by top_k pairs), down (weighted), float32
     for dtype, rows_per_a_row, mul_weight, block_m in (
         ("bf16", 2, False, 16), ("bf16", 1, True, 64), ("fp32", 2, True, 16),
