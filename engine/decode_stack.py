@@ -7,7 +7,7 @@ attention kernels. As a graph of operators the same step forks and joins the thr
 layer and runs the serial work between them on one thread; the other waited ~45% of a 4-bit
 one-stream step. The runner (``engine/model_runner.py``) tries it before planning the step for
 the graphs, eager or compiled (the operator checks every index it reads); the embedding and the
-LM head stay the model's own.
+LM head stay the model's own unless they are 8-bit (below).
 
 It computes what the model's forward computes (``engine/models/llama.py``), with the same
 roundings to the activations' dtype; the products and attention give the same bits as the
@@ -16,6 +16,11 @@ It applies only where the model fits it: a dense Llama stack (no MoE, no q/k nor
 one process, every product of the stack either 4-bit packed for the CPU with one group size or
 bfloat16 read by ``blocked_linear`` (CPUs with AVX-512 BF16), the C++ operators built, and
 attention in the default (not deterministic) mode.
+
+Where the embedding and the LM head are 8-bit (``quant_linear``'s layout, as the default model's
+GGUF holds its tied ``Q8_0`` table), the call also looks the tokens up and runs the LM head (its
+operator's kernel, the threads sharing the vocabulary): a step goes from token ids to logits in
+one call, without the embedding's and the head's own calls, conversions and fork of the threads.
 """
 
 from __future__ import annotations
@@ -39,10 +44,14 @@ class DecodeStack:
     """``stack(input_ids, positions, metadata, kv_cache, sample_rows)`` -> the logits of a
     decode step, or None where the step does not fit (a prompt token, too many tokens)."""
 
-    def __init__(self, model: LlamaForCausalLM, call: Any, max_tokens: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, call: Any, max_tokens: int, holds_head: bool = False
+    ) -> None:
         self.model = model
         self.call = call  # torch.classes.splitfuse_cpu.DecodeStack
         self.max_tokens = max_tokens
+        self.holds_head = holds_head  # the call looks tokens up and returns logits
+        self._rows = torch.arange(max_tokens)
 
     @classmethod
     def build(
@@ -70,6 +79,9 @@ class DecodeStack:
                 else:
                     weights.append(product.blocked_weight)
         weights.append(stack.norm.weight)
+        head = _head(model)
+        if head is not None:
+            weights += head[:4]
         first = stack.layers[0]
         max_tokens = MAX_TOKENS
         if kind == BLOCKED:  # (with AMX tiles oneDNN runs more than a few rows)
@@ -82,16 +94,18 @@ class DecodeStack:
             first.self_attn.qkv_proj.quant_group_size,
             max_tokens,
             kind,
+            0 if head is None else head[4],
         ]
         call = torch.classes.splitfuse_cpu.DecodeStack(
             weights, stack.cos_sin_cache, sizes, model.config.rms_norm_eps
         )
         logger.info(
-            "decode steps of up to %d tokens run the %s stack in one call",
+            "decode steps of up to %d tokens run the %s stack%s in one call",
             max_tokens,
             "4-bit" if kind == INT4 else "bfloat16",
+            "" if head is None else " with the 8-bit embedding and LM head",
         )
-        return cls(model, call, max_tokens)
+        return cls(model, call, max_tokens, holds_head=head is not None)
 
     def __call__(
         self,
@@ -108,6 +122,19 @@ class DecodeStack:
             return None
         if metadata.context_lens.shape[0] != num_tokens:
             return None
+        if self.holds_head:
+            logits = self.call.logits(
+                input_ids,
+                positions,
+                kv_cache,
+                metadata.slot_mapping,
+                metadata.block_tables,
+                metadata.query_start,
+                metadata.context_lens,
+            )
+            if torch.equal(sample_rows, self._rows[:num_tokens]):
+                return logits
+            return logits.index_select(0, sample_rows)
         hidden = self.model.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         hidden = self.call.run(
             hidden,
@@ -166,6 +193,30 @@ def unsupported(
     if not has_fixed_order_attention():
         return "the C++ operators are not built"
     return None
+
+
+def _head(model: LlamaForCausalLM) -> tuple[torch.Tensor, ...] | None:
+    """(embedding values, scales, LM head values, scales, group size) where both are 8-bit in
+    ``quant_linear``'s layout with one group size over the whole vocabulary, else None."""
+    embedding, head = model.model.embed_tokens.quantized, model.lm_head
+    if embedding is None or embedding.bits != 8 or head.quant_bits != 8:
+        return None
+    if type(model).compute_logits is not LlamaForCausalLM.compute_logits:
+        return None
+    vocab_size = head.vocab_size
+    if embedding.group_size != head.quant_group_size or not (
+        embedding.qweight.shape[0] == head.qweight.shape[0] == vocab_size
+    ):
+        return None
+    if model.model.embed_tokens.weight.dtype != model.model.norm.weight.dtype:
+        return None
+    return (
+        embedding.qweight,
+        embedding.scales,
+        head.qweight,
+        head.qscales,
+        head.quant_group_size,
+    )
 
 
 # how the products hold their weights (the operator's ``kind``)

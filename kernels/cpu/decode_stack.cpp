@@ -25,10 +25,15 @@
 //   act    = round(round(silu(gate)) * up), gate and up = round(product(normed)) halves
 //   x      = round(product(act))
 //
-// and the final norm after the last layer. The products and attention are the operators' own
-// kernels on the same inputs, so they give the same bits as the operators; the norms, rotary
-// and SiLU are written here, in float32 as the model computes them, and may differ from
-// PyTorch's in the last bit of a float32 before rounding (a sum's order, an exp's polynomial).
+// and the final norm after the last layer. Where the stack holds the 8-bit embedding and LM head
+// (`logits`), it starts from the token ids (the embedding's rows dequantized and rounded as the
+// model does) and ends with the LM head: every thread the final norm, then its share of the
+// vocabulary's columns through quant_linear's kernel (quant_linear.h), each logit rounded to the
+// activations' dtype as the model's head rounds it. The products and attention are the
+// operators' own kernels on the same inputs, so they give the same bits as the operators; the
+// norms, rotary and SiLU are written here, in float32 as the model computes them, and may differ
+// from PyTorch's in the last bit of a float32 before rounding (a sum's order, an exp's
+// polynomial).
 //
 // Every input is checked before the cache is written; a bad one raises and changes nothing.
 
@@ -43,11 +48,13 @@
 #include "fixed_order_attention.h"
 #include "float16_bits.h"
 #include "int4_linear.h"
+#include "quant_linear.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -179,18 +186,34 @@ struct DecodeStack : torch::CustomClassHolder {
   int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, group_size;
   int64_t max_tokens;
   float eps;
+  // the embedding and the LM head, 8 bits (quant_linear's layout), where the stack holds them
+  // (head_group > 0: `logits` runs a step from token ids to logits)
+  int64_t head_group = 0, vocab_size = 0;
+  at::Tensor embed_q, embed_scales, head_q, head_scales;
 
   // weights: per layer input_norm, post_norm, then qkv, o, gate_up and down, each as its kind
-  // holds it (int4: packed, scales, mins; blocked: the blocked weight); then the final norm.
+  // holds it (int4: packed, scales, mins; blocked: the blocked weight); then the final norm; then,
+  // with head_group > 0, the embedding's and the LM head's int8 values [vocab_size, hidden] and
+  // float16 scales [vocab_size, hidden / head_group] (the same tensors where they are tied).
   // sizes: num_heads, num_kv_heads, head_dim, intermediate_size, group_size (int4's), max_tokens,
-  // kind (4: int4, 16: blocked bfloat16).
+  // kind (4: int4, 16: blocked bfloat16), head_group (0: no embedding and LM head).
   DecodeStack(std::vector<at::Tensor> weights, at::Tensor cos_sin_, std::vector<int64_t> sizes,
               double eps_)
       : cos_sin(std::move(cos_sin_)), eps(static_cast<float>(eps_)) {
-    TORCH_CHECK(sizes.size() == 7, kName, ": sizes must be [num_heads, num_kv_heads, head_dim, "
-                "intermediate_size, group_size, max_tokens, kind]");
+    TORCH_CHECK(sizes.size() == 8, kName, ": sizes must be [num_heads, num_kv_heads, head_dim, "
+                "intermediate_size, group_size, max_tokens, kind, head_group]");
     num_heads = sizes[0], num_kv_heads = sizes[1], head_dim = sizes[2];
     intermediate_size = sizes[3], group_size = sizes[4], max_tokens = sizes[5];
+    head_group = sizes[7];
+    TORCH_CHECK(head_group >= 0 && head_group % 32 == 0, kName,
+                ": head_group must be 0 or a multiple of 32");
+    if (head_group > 0) {  // the last four weights: the embedding's and the LM head's
+      TORCH_CHECK(weights.size() > 4, kName, ": the embedding and the LM head are missing");
+      head_scales = weights.back(), weights.pop_back();
+      head_q = weights.back(), weights.pop_back();
+      embed_scales = weights.back(), weights.pop_back();
+      embed_q = weights.back(), weights.pop_back();
+    }
     TORCH_CHECK(sizes[6] == static_cast<int64_t>(Kind::kInt4) ||
                     sizes[6] == static_cast<int64_t>(Kind::kBlocked),
                 kName, ": kind must be 4 (int4) or 16 (blocked bfloat16)");
@@ -219,6 +242,20 @@ struct DecodeStack : torch::CustomClassHolder {
     hidden_size = last.size(0);
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     final_norm = norm_weight(last);
+    if (head_group > 0) {
+      vocab_size = head_q.size(0);
+      for (const auto& [q, scales, name] :
+           {std::tuple{&embed_q, &embed_scales, "embedding"}, {&head_q, &head_scales, "LM head"}})
+        TORCH_CHECK(q->dim() == 2 && q->size(0) == vocab_size && q->size(1) == hidden_size &&
+                        q->is_contiguous() && q->scalar_type() == at::kChar &&
+                        q->device().is_cpu() && hidden_size % head_group == 0 &&
+                        scales->dim() == 2 && scales->size(0) == vocab_size &&
+                        scales->size(1) == hidden_size / head_group &&
+                        scales->is_contiguous() && scales->scalar_type() == at::kHalf &&
+                        scales->device().is_cpu(),
+                    kName, ": the ", name, " must be contiguous int8 [vocab_size, ", hidden_size,
+                    "] with float16 scales [vocab_size, ", hidden_size, " / head_group]");
+    }
     for (size_t at = 0; at + 1 < weights.size(); at += per_layer) {
       Layer layer;
       layer.input_norm = norm_weight(weights[at]);
@@ -296,8 +333,40 @@ struct DecodeStack : torch::CustomClassHolder {
   at::Tensor run(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor kv_cache,
                  const at::Tensor& slots, const at::Tensor& block_tables,
                  const at::Tensor& query_start, const at::Tensor& context_lens) {
-    check(hidden, positions, kv_cache, slots, block_tables, query_start, context_lens);
-    const int64_t T = hidden.size(0), H = hidden_size, D = head_dim;
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size && hidden.size(0) >= 1 &&
+                    hidden.size(0) <= max_tokens && hidden.scalar_type() == dtype &&
+                    hidden.device().is_cpu(),
+                kName, ": hidden must be [1 .. ", max_tokens, ", ", hidden_size, "] in ", dtype);
+    return step(hidden, false, positions, kv_cache, slots, block_tables, query_start,
+                context_lens);
+  }
+
+  // The step's logits [T, vocab_size] float32 (each rounded to the activations' dtype, as the
+  // model's LM head gives them) from its token ids input_ids [T] (int64), where the stack holds
+  // the embedding and the LM head (head_group > 0); the rest as run.
+  at::Tensor logits(const at::Tensor& input_ids, const at::Tensor& positions, at::Tensor kv_cache,
+                    const at::Tensor& slots, const at::Tensor& block_tables,
+                    const at::Tensor& query_start, const at::Tensor& context_lens) {
+    TORCH_CHECK(head_group > 0, kName, ": this stack holds no embedding and LM head");
+    TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) >= 1 &&
+                    input_ids.size(0) <= max_tokens && input_ids.is_contiguous() &&
+                    input_ids.scalar_type() == at::kLong && input_ids.device().is_cpu(),
+                kName, ": input_ids must be int64 [1 .. ", max_tokens, "]");
+    const int64_t* ids = input_ids.data_ptr<int64_t>();
+    for (int64_t t = 0; t < input_ids.size(0); ++t)
+      TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab_size, kName, ": token ", t, " is id ", ids[t],
+                  " of a vocabulary of ", vocab_size);
+    return step(input_ids, true, positions, kv_cache, slots, block_tables, query_start,
+                context_lens);
+  }
+
+ private:
+  // run (tokens: the embeddings) or logits (tokens: the ids), checked but for the step's indices
+  at::Tensor step(const at::Tensor& tokens, bool from_ids, const at::Tensor& positions,
+                  at::Tensor kv_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                  const at::Tensor& query_start, const at::Tensor& context_lens) {
+    const int64_t T = tokens.size(0), H = hidden_size, D = head_dim;
+    check(T, positions, kv_cache, slots, block_tables, query_start, context_lens);
     const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size;
     const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
@@ -308,9 +377,21 @@ struct DecodeStack : torch::CustomClassHolder {
     // shared between the threads, floats holding values of the activations' dtype
     std::vector<float> x(T * H), qkv(T * qkv_size), query(T * q_size), attended(T * q_size);
     std::vector<float> projected(T * H), gate_up(T * 2 * I), act(T * I);
-    const at::Tensor hidden_f = hidden.to(at::kFloat).contiguous();
-    std::memcpy(x.data(), hidden_f.data_ptr<float>(), sizeof(float) * T * H);
-    at::Tensor out = at::empty({T, H}, hidden.options());
+    if (from_ids) {  // the embedding's rows, as the model rounds them to the activations' dtype
+      const int64_t* ids = tokens.data_ptr<int64_t>();
+      const int8_t* q = embed_q.data_ptr<int8_t>();
+      const auto* scales = reinterpret_cast<const uint16_t*>(embed_scales.data_ptr<at::Half>());
+      const int64_t groups = H / head_group;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t k = 0; k < H; ++k)
+          x[t * H + k] = to_act(static_cast<float>(q[ids[t] * H + k]) *
+                                half_to_float(scales[ids[t] * groups + k / head_group]));
+    } else {
+      const at::Tensor hidden_f = tokens.to(at::kFloat).contiguous();
+      std::memcpy(x.data(), hidden_f.data_ptr<float>(), sizeof(float) * T * H);
+    }
+    at::Tensor out = from_ids ? at::empty({T, vocab_size}, tokens.options().dtype(at::kFloat))
+                              : at::empty({T, H}, tokens.options().dtype(dtype));
 
     const int64_t* position = positions.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
@@ -469,7 +550,23 @@ struct DecodeStack : torch::CustomClassHolder {
         multiply(layer.down, x.data(), n0, n1);
 #pragma omp barrier
       }
-      if (me == 0) {
+      if (from_ids) {
+        // every thread the final norm, then its share of the LM head's columns (whole tiles of
+        // 4, as the operator shares them), each logit rounded as the model's head rounds it
+        norm(final_norm, x.data(), false);
+        if (bf16)
+          for (int64_t i = 0; i < T * H; ++i) x16[i] = bf16_bits(rows_in[i]);
+        const auto [c0, c1] = share((vocab_size + 3) / 4, P, me);
+        const int64_t col_begin = 4 * c0, col_end = std::min(vocab_size, 4 * c1);
+        float* logits_ptr = out.data_ptr<float>();
+        splitfuse_quant::quant_linear_range(
+            rows_in, bf16 ? x16 : nullptr, T, H, vocab_size, head_q.data_ptr<int8_t>(),
+            reinterpret_cast<const uint16_t*>(head_scales.data_ptr<at::Half>()), head_group,
+            col_begin, col_end, logits_ptr);
+        for (int64_t t = 0; t < T && col_begin < col_end; ++t)
+          round_into(logits_ptr + t * vocab_size + col_begin,
+                     logits_ptr + t * vocab_size + col_begin, col_end - col_begin, bf16);
+      } else if (me == 0) {
         norm(final_norm, x.data(), false);
         if (bf16) {
           auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -482,14 +579,11 @@ struct DecodeStack : torch::CustomClassHolder {
     return out;
   }
 
-  void check(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& kv_cache,
+
+  // the step's indices, for T tokens
+  void check(int64_t T, const at::Tensor& positions, const at::Tensor& kv_cache,
              const at::Tensor& slots, const at::Tensor& block_tables,
              const at::Tensor& query_start, const at::Tensor& context_lens) const {
-    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size && hidden.size(0) >= 1 &&
-                    hidden.size(0) <= max_tokens && hidden.scalar_type() == dtype &&
-                    hidden.device().is_cpu(),
-                kName, ": hidden must be [1 .. ", max_tokens, ", ", hidden_size, "] in ", dtype);
-    const int64_t T = hidden.size(0);
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() &&
                     kv_cache.size(0) == num_layers() && kv_cache.size(1) == 2 &&
                     kv_cache.size(4) == num_kv_heads && kv_cache.size(5) == head_dim &&
@@ -552,5 +646,6 @@ TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, double>())
       .def("run", &DecodeStack::run)
+      .def("logits", &DecodeStack::logits)
       .def("num_layers", &DecodeStack::num_layers);
 }

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include "float16_bits.h"
+#include "quant_linear.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -280,6 +281,28 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 }
 
 }  // namespace
+
+namespace splitfuse_quant {
+
+void quant_linear_range(const float* x_float, const uint16_t* x_bf16, int64_t M, int64_t K,
+                        int64_t N, const int8_t* qweight, const uint16_t* scales,
+                        int64_t group_size, int64_t col_begin, int64_t col_end, float* out) {
+  if (col_begin >= col_end) return;
+  const int64_t num_groups = K / group_size;
+  if (x_bf16 != nullptr && M > 1 && bf16_dot) {  // as quant_linear: VDPBF16PS
+    std::vector<float> buffer(K + num_groups);
+    const std::unique_ptr<uint16_t[]> weights(new uint16_t[splitfuse_avx512_bf16::kChunk * K]);
+    splitfuse_avx512_bf16::quant_linear_columns(x_bf16, M, K, N, qweight, scales, group_size,
+                                                col_begin, col_end, buffer.data(), weights.get(),
+                                                out);
+    return;
+  }
+  std::vector<float> buffer(4 * (K + num_groups));
+  columns_fn(x_float, M, K, N, qweight, scales, group_size, col_begin, col_end, buffer.data(),
+             out);
+}
+
+}  // namespace splitfuse_quant
 
 TORCH_LIBRARY(splitfuse_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor");

@@ -189,10 +189,71 @@ def test_bad_inputs_are_refused_and_change_nothing(tiny_llama_dir, case):
     assert torch.equal(cache, before)
 
 
+BAD_IDS = {
+    "an id past the vocabulary": torch.tensor([10**6]),
+    "a negative id": torch.tensor([-1]),
+    "int32 ids": torch.tensor([3], dtype=torch.int32),
+    "ids of two dims": torch.tensor([[3]]),
+    "too many ids": torch.tensor([3] * (MAX_TOKENS + 1)),
+}
+
+
+def test_a_step_from_token_ids_gives_the_model_logits(tiny_llama_dir):
+    """The 8-bit embedding and LM head in the call: the logits of the step's sampled rows, the
+    bad inputs of run refused there too, bad ids refused before the cache is touched."""
+    engine = int4_engine(tiny_llama_dir, "float32")
+    stack = engine.runner.decode_stack
+    assert stack.holds_head
+    _, positions, cache, slots, tables, query_start, context_lens = step_inputs(engine)
+    ids = torch.tensor([7])
+    logits = stack.call.logits(ids, positions, cache, slots, tables, query_start, context_lens)
+    assert logits.shape == (1, engine.model_config.vocab_size) and logits.dtype == torch.float32
+    hidden = stack.model.model.embed_tokens(ids)
+    cache.zero_()
+    again = stack.call.run(hidden, positions, cache, slots, tables, query_start, context_lens)
+    torch.testing.assert_close(logits, stack.model.compute_logits(again, torch.tensor([0])))
+    for case, bad_ids in BAD_IDS.items():
+        before = cache.clone()
+        with pytest.raises(RuntimeError, match="DecodeStack"):
+            count = bad_ids.reshape(-1).shape[0]
+            stack.call.logits(
+                bad_ids,
+                positions.repeat(count),
+                cache,
+                slots.repeat(count),
+                tables.repeat(count, 1),
+                torch.arange(count + 1, dtype=torch.int32),
+                context_lens.repeat(count),
+            )
+        assert torch.equal(cache, before), case
+    bad = step_inputs(engine, slot=-2)
+    with pytest.raises(RuntimeError, match="DecodeStack"):
+        stack.call.logits(ids, *bad[1:])
+
+
+def test_only_the_sampled_rows_logits(tiny_llama_dir):
+    engine = int4_engine(tiny_llama_dir, "float32")
+    runner = engine.runner
+    decodes = prefilled(engine, 3)
+    before = runner.kv_cache.clone()
+    every = run(engine, decodes)
+    runner.kv_cache.copy_(before)
+    inputs = build_model_input(ScheduledBatch(rows=tuple(decodes)), block_size=BLOCK_SIZE)
+    some = runner.decode_stack(
+        inputs.input_ids,
+        inputs.positions,
+        inputs.metadata,
+        runner.kv_cache,
+        torch.tensor([2, 0]),
+    )
+    assert torch.equal(some, every[[2, 0]])
+
+
 def test_where_the_stack_applies(tiny_llama_dir, tiny_qwen2_dir):
-    assert int4_engine(tiny_llama_dir, "bfloat16").runner.decode_stack is not None
+    assert int4_engine(tiny_llama_dir, "bfloat16").runner.decode_stack.holds_head
     bfloat16 = int4_engine(tiny_llama_dir, "bfloat16", quantization="none").runner.decode_stack
     assert (bfloat16 is not None) == has_blocked_linear()
+    assert bfloat16 is None or not bfloat16.holds_head  # a bfloat16 embedding and LM head
     assert int4_engine(tiny_llama_dir, "float32", quantization="none").runner.decode_stack is None
     assert int4_engine(tiny_llama_dir, "float32", quantization="int8").runner.decode_stack is None
     assert int4_engine(tiny_qwen2_dir, "float32").runner.decode_stack is None  # q/k/v biases
@@ -215,6 +276,10 @@ def test_prompt_steps_and_larger_steps_go_to_the_model(tiny_llama_dir):
         def run(self, *args):
             calls.append(args[0].shape[0])
             return stack_call.run(*args)
+
+        def logits(self, *args):
+            calls.append(args[0].shape[0])
+            return stack_call.logits(*args)
 
     engine.runner.decode_stack.call = Counting()
     decodes = prefilled(engine, MAX_TOKENS + 1)  # a prompt step: not the stack's
