@@ -249,33 +249,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
+  // float32 sums of exact products: x widened to float32 (exact from bfloat16); bfloat16 rows
+  // keep their bits for the VDPBF16PS path (quant_linear_range picks)
+  const at::Tensor x_float = x.to(at::kFloat).contiguous();
+  const uint16_t* x_bf16 =
+      x.scalar_type() == at::kBFloat16
+          ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
+          : nullptr;
   const int8_t* q_ptr = qweight.data_ptr<int8_t>();
   const auto* s_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* out_ptr = out.data_ptr<float>();
   // Threads share the output columns in whole tiles of 4 (a tile's rows are dequantized once).
   const int64_t num_tiles = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
-  if (x.scalar_type() == at::kBFloat16 && M > 1 && bf16_dot) {
-    const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> buffer(K + num_groups);
-      // uninitialized: every element is written before it is read (a zeroed vector cleared
-      // up to 768 KB a call, ~2% of a 32-row step's products)
-      // (new T[n], not C++20's make_unique_for_overwrite: torch before 2.13 builds as C++17)
-      const std::unique_ptr<uint16_t[]> weights(new uint16_t[splitfuse_avx512_bf16::kChunk * K]);
-      splitfuse_avx512_bf16::quant_linear_columns(x_ptr, M, K, N, q_ptr, s_ptr, group_size,
-                                                  begin * 4, std::min(end * 4, N), buffer.data(),
-                                                  weights.get(), out_ptr);
-    });
-    return out;
-  }
-  // float32 sums of exact products: x widened to float32 (exact from bfloat16)
-  const at::Tensor x_float = x.to(at::kFloat).contiguous();
-  const float* x_ptr = x_float.data_ptr<float>();
   at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(4 * (K + num_groups));
-    columns_fn(x_ptr, M, K, N, q_ptr, s_ptr, group_size, begin * 4, std::min(end * 4, N),
-               buffer.data(), out_ptr);
+    splitfuse_quant::quant_linear_range(x_float.data_ptr<float>(), x_bf16, M, K, N, q_ptr, s_ptr,
+                                        group_size, begin * 4, std::min(end * 4, N), out_ptr);
   });
   return out;
 }
@@ -289,8 +278,11 @@ void quant_linear_range(const float* x_float, const uint16_t* x_bf16, int64_t M,
                         int64_t group_size, int64_t col_begin, int64_t col_end, float* out) {
   if (col_begin >= col_end) return;
   const int64_t num_groups = K / group_size;
-  if (x_bf16 != nullptr && M > 1 && bf16_dot) {  // as quant_linear: VDPBF16PS
+  if (x_bf16 != nullptr && M > 1 && bf16_dot) {  // bfloat16 rows: VDPBF16PS
     std::vector<float> buffer(K + num_groups);
+    // uninitialized: every element is written before it is read (a zeroed vector cleared up to
+    // 768 KB a call, ~2% of a 32-row step's products)
+    // (new T[n], not C++20's make_unique_for_overwrite: torch before 2.13 builds as C++17)
     const std::unique_ptr<uint16_t[]> weights(new uint16_t[splitfuse_avx512_bf16::kChunk * K]);
     splitfuse_avx512_bf16::quant_linear_columns(x_bf16, M, K, N, qweight, scales, group_size,
                                                 col_begin, col_end, buffer.data(), weights.get(),
