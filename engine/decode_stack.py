@@ -122,22 +122,7 @@ class DecodeStack:
             return None
         if metadata.context_lens.shape[0] != num_tokens:
             return None
-        if self.holds_head:
-            logits = self.call.logits(
-                input_ids,
-                positions,
-                kv_cache,
-                metadata.slot_mapping,
-                metadata.block_tables,
-                metadata.query_start,
-                metadata.context_lens,
-            )
-            if torch.equal(sample_rows, self._rows[:num_tokens]):
-                return logits
-            return logits.index_select(0, sample_rows)
-        hidden = self.model.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        hidden = self.call.run(
-            hidden,
+        step = (
             positions,
             kv_cache,
             metadata.slot_mapping,
@@ -145,7 +130,13 @@ class DecodeStack:
             metadata.query_start,
             metadata.context_lens,
         )
-        return self.model.compute_logits(hidden, sample_rows)
+        if self.holds_head:
+            logits = self.call.logits(input_ids, *step)
+            if torch.equal(sample_rows, self._rows[:num_tokens]):
+                return logits
+            return logits.index_select(0, sample_rows)
+        hidden = self.model.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        return self.model.compute_logits(self.call.run(hidden, *step), sample_rows)
 
 
 def unsupported(
