@@ -133,6 +133,7 @@ def _dequantize_kernel(
 
 
 FUSED_ROWS = 16  # products of up to this many rows dequantize in the product; more: apart
+DEQUANTIZED_BYTES = 64 * 2**20  # at most this much of a weight dequantized at once
 
 
 @dataclass(frozen=True)
@@ -197,13 +198,27 @@ def triton_quant_linear(
     """x [M, K] @ dequantized(weight [N, K])^T -> [M, N] in x's dtype. Up to ``FUSED_ROWS`` rows
     (or with ``config``, the fused product's tiles): one fused kernel, each row's sums in an order
     that depends on K alone; more rows: the weight dequantized to x's dtype, then ``F.linear``
-    (the dequantizing repeated per tile of rows costs more than the bytes it saves there)."""
+    (the dequantizing repeated per tile of rows costs more than the bytes it saves there), a
+    slice of ``DEQUANTIZED_BYTES`` at most at a time."""
     num_rows, num_cols = x.shape
     num_out = qweight.shape[0]
     check_group_size(num_cols, group_size)  # whole runs of 32: a run never straddles a step
     if config is None and num_rows > FUSED_ROWS:
-        weight = dequantize_weight(qweight, scales, mins, bits, group_size, x.dtype)
-        return torch.nn.functional.linear(x, weight)
+        # a slice of the weight's rows at a time, so that a large LM head (128k x 4k: 1 GiB in
+        # bfloat16) never exists whole in x's dtype
+        rows = max(16, DEQUANTIZED_BYTES // (num_cols * x.element_size()) // 16 * 16)
+        if rows >= num_out:
+            weight = dequantize_weight(qweight, scales, mins, bits, group_size, x.dtype)
+            return torch.nn.functional.linear(x, weight)
+        out = torch.empty(num_rows, num_out, dtype=x.dtype, device=x.device)
+        for n0 in range(0, num_out, rows):
+            n1 = min(num_out, n0 + rows)
+            low = None if mins is None else mins[n0:n1]
+            weight = dequantize_weight(
+                qweight[n0:n1], scales[n0:n1], low, bits, group_size, x.dtype
+            )
+            out[:, n0:n1] = torch.nn.functional.linear(x, weight)
+        return out
     config = config or tiles(num_cols)
     if num_cols % config.block_k:
         raise ValueError(f"a step of {config.block_k} inputs must divide the {num_cols} inputs")

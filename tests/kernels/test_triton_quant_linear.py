@@ -89,6 +89,18 @@ def test_dequantized_weight_is_the_layouts_own(bits, group_size):
     assert torch.equal(weight.cpu(), quantized.dequantize())
 
 
+def test_many_rows_dequantize_a_slice_of_the_weight_at_a_time(monkeypatch):
+    import kernels.triton_quant_linear as module
+
+    monkeypatch.setattr(module, "DEQUANTIZED_BYTES", 16 * 64 * 4)  # 16 rows of 64 float32s
+    torch.manual_seed(3)
+    quantized = quantize(torch.randn(40, 64), 4, 32)  # slices of 16, 16 and 8 rows
+    x = torch.randn(20, 64)
+    want = F.linear(x.double(), quantized.dequantize().double())
+    got = product(x, quantized, 4, 32)
+    assert (got.double() - want).abs().max() <= RTOL[torch.float32] * want.abs().max()
+
+
 def test_a_step_that_does_not_divide_the_inputs_is_refused():
     quantized = quantize(torch.randn(16, 96), 4, 32)
     with pytest.raises(ValueError, match="a step of 64 inputs must divide the 96"):
