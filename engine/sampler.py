@@ -9,7 +9,7 @@ The grammar mask is that of a request's structured output (``engine/structured_o
 ``start_masks`` begins filling the masks before the forward pass, ``sample`` applies them.
 
 Greedy rows (temperature 0) take the argmax after bias, mask and penalties; a batch of plain greedy
-rows is a single argmax. Random rows sample by inverse CDF with one uniform number per row and
+rows is a single argmax (``greedy_argmax``: torch's indices in a tenth of its time on a CPU). Random rows sample by inverse CDF with one uniform number per row and
 token: a seeded request draws its number from its own generator, so its tokens depend on its seed
 and its logits alone, not on which other requests share the batch; unseeded rows share the
 sampler's generator. Top-k and top-p rank their rows once: a ``topk`` for rows with a top-k; for
@@ -61,6 +61,24 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]  # None where the request asked for no logprobs
     # Rows whose structured output reached a dead end -> why; their token is not to be used.
     dead_ends: dict[int, str] = field(default_factory=dict)
+
+
+ARGMAX_CHUNK = 1024  # values per chunk of a row for ``greedy_argmax``
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for [num_rows, vocab_size], the same indices (the first of
+    equal maxima, NaN the largest), in two passes over chunks of ``ARGMAX_CHUNK`` values: each
+    chunk's largest value (a vectorized reduction), the first chunk that holds the row's largest,
+    then the first index of it in that chunk. torch's CPU argmax takes ~1 ns a value (83 us for
+    one row of 49152, 713 us for 32 rows, 2 threads), its ``amax`` ~10x less."""
+    num_rows, vocab_size = logits.shape
+    if logits.device.type != "cpu" or vocab_size % ARGMAX_CHUNK or vocab_size < 4 * ARGMAX_CHUNK:
+        return logits.argmax(dim=-1)
+    chunks = logits.reshape(num_rows, vocab_size // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    first = chunks.amax(dim=-1).argmax(dim=-1)  # [num_rows]
+    within = chunks[torch.arange(num_rows), first].argmax(dim=-1)
+    return first * ARGMAX_CHUNK + within
 
 
 def validate_token_ids(data: NewRequestData, vocab_size: int) -> None:
@@ -261,7 +279,7 @@ class Sampler:
             rows = self._rows(masks.rows, states)
             apply_bitmask(allowed, rows, masks.bitmask)
         if all(state.plain_greedy for state in states):
-            token_ids = allowed.argmax(dim=-1)  # [num_rows]
+            token_ids = greedy_argmax(allowed)  # [num_rows]
         else:
             token_ids = self._sample_processed(allowed, states)
         penalty_rows = [i for i, state in enumerate(states) if state.penalty_slot is not None]
@@ -320,12 +338,12 @@ class Sampler:
             )
         greedy_rows = [i for i, state in enumerate(states) if state.greedy]
         if len(greedy_rows) == len(states):
-            return processed.argmax(dim=-1)
+            return greedy_argmax(processed)
         random_rows = [i for i, state in enumerate(states) if not state.greedy]
         token_ids = torch.empty(len(states), dtype=torch.int64, device=self.device)
         if greedy_rows:
             rows = self._rows(greedy_rows, states)
-            token_ids[rows] = processed[rows].argmax(dim=-1)
+            token_ids[rows] = greedy_argmax(processed[rows])
         rows = self._rows(random_rows, states)
         token_ids[rows] = self._sample_random(processed[rows], [states[i] for i in random_rows])
         return token_ids

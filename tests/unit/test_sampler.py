@@ -546,3 +546,25 @@ def test_token_ids_outside_the_vocabulary_raise_and_add_nothing(
 def test_empty_call_returns_nothing() -> None:
     sampler = Sampler(VOCAB_SIZE, CPU)
     assert sampler.sample(torch.zeros(0, VOCAB_SIZE), []).token_ids == []
+
+
+def test_greedy_argmax_is_torchs_argmax():
+    """The chunked argmax gives torch's indices: ties (across chunks and within one) to the first,
+    NaN as the largest, rows of -inf, every row count; other shapes fall back to argmax."""
+    from engine.sampler import ARGMAX_CHUNK, greedy_argmax
+
+    torch.manual_seed(0)
+    vocab = 8 * ARGMAX_CHUNK
+    logits = torch.randn(12, vocab)
+    logits[1, [5, 3000, 7000]] = 50.0  # a tie across chunks
+    logits[2, [2050, 2051]] = 50.0  # a tie inside one
+    logits[3, [4000, 100]] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 6000] = float("inf")
+    logits[6, vocab - 1] = 99.0
+    logits[7, [10, 20]] = float("nan")
+    logits[7, 30] = float("inf")
+    for rows in (logits, logits[:1], logits[5:9]):
+        assert torch.equal(greedy_argmax(rows), rows.argmax(dim=-1))
+    odd = torch.randn(3, vocab + 7)
+    assert torch.equal(greedy_argmax(odd), odd.argmax(dim=-1))
