@@ -9,12 +9,13 @@ The grammar mask is that of a request's structured output (``engine/structured_o
 ``start_masks`` begins filling the masks before the forward pass, ``sample`` applies them.
 
 Greedy rows (temperature 0) take the argmax after bias, mask and penalties; a batch of plain greedy
-rows is a single argmax (``greedy_argmax``: torch's indices in a tenth of its time on a CPU). Random rows sample by inverse CDF with one uniform number per row and
-token: a seeded request draws its number from its own generator, so its tokens depend on its seed
-and its logits alone, not on which other requests share the batch; unseeded rows share the
-sampler's generator. Top-k and top-p rank their rows once: a ``topk`` for rows with a top-k; for
-a top-p alone, the 1024 most likely tokens on a CPU when they hold top_p, else a sort. Logprobs
-are of the raw logits. Each ``sample`` call makes exactly one device-to-host transfer.
+rows is a single argmax (``greedy_argmax``: torch's indices in a tenth of its time on a CPU).
+Random rows sample by inverse CDF with one uniform number per row and token: a seeded request draws
+its number from its own generator, so its tokens depend on its seed and its logits alone, not on
+which other requests share the batch; unseeded rows share the sampler's generator. Top-k and top-p
+rank their rows once: a ``topk`` for rows with a top-k; for a top-p alone, the 1024 most likely
+tokens on a CPU when they hold top_p, else a sort. Logprobs are of the raw logits. Each
+``sample`` call makes exactly one device-to-host transfer.
 """
 
 from __future__ import annotations
