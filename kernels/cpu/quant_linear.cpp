@@ -251,11 +251,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   if (M == 0 || N == 0) return out;
   // float32 sums of exact products: x widened to float32 (exact from bfloat16); bfloat16 rows
   // keep their bits for the VDPBF16PS path (quant_linear_range picks)
-  const at::Tensor x_float = x.to(at::kFloat).contiguous();
   const uint16_t* x_bf16 =
       x.scalar_type() == at::kBFloat16
           ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
           : nullptr;
+  const bool as_bf16 = x_bf16 != nullptr && splitfuse_quant::bf16_rows(M);
+  const at::Tensor x_float = as_bf16 ? at::Tensor() : x.to(at::kFloat).contiguous();
+  const float* x_float_ptr = x_float.defined() ? x_float.data_ptr<float>() : nullptr;
   const int8_t* q_ptr = qweight.data_ptr<int8_t>();
   const auto* s_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* out_ptr = out.data_ptr<float>();
@@ -263,8 +265,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t num_tiles = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
   at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-    splitfuse_quant::quant_linear_range(x_float.data_ptr<float>(), x_bf16, M, K, N, q_ptr, s_ptr,
-                                        group_size, begin * 4, std::min(end * 4, N), out_ptr);
+    splitfuse_quant::quant_linear_range(x_float_ptr, x_bf16, M, K, N, q_ptr, s_ptr, group_size,
+                                        begin * 4, std::min(end * 4, N), out_ptr);
   });
   return out;
 }
@@ -273,12 +275,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 namespace splitfuse_quant {
 
+bool bf16_rows(int64_t M) { return M > 1 && bf16_dot; }
+
 void quant_linear_range(const float* x_float, const uint16_t* x_bf16, int64_t M, int64_t K,
                         int64_t N, const int8_t* qweight, const uint16_t* scales,
                         int64_t group_size, int64_t col_begin, int64_t col_end, float* out) {
   if (col_begin >= col_end) return;
   const int64_t num_groups = K / group_size;
-  if (x_bf16 != nullptr && M > 1 && bf16_dot) {  // bfloat16 rows: VDPBF16PS
+  if (x_bf16 != nullptr && bf16_rows(M)) {  // bfloat16 rows: VDPBF16PS
     std::vector<float> buffer(K + num_groups);
     // uninitialized: every element is written before it is read (a zeroed vector cleared up to
     // 768 KB a call, ~2% of a 32-row step's products)
