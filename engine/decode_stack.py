@@ -17,10 +17,11 @@ one process, every product of the stack either 4-bit packed for the CPU with one
 bfloat16 read by ``blocked_linear`` (CPUs with AVX-512 BF16), the C++ operators built, and
 attention in the default (not deterministic) mode.
 
-Where the embedding and the LM head are 8-bit (``quant_linear``'s layout, as the default model's
-GGUF holds its tied ``Q8_0`` table), the call also looks the tokens up and runs the LM head (its
-operator's kernel, the threads sharing the vocabulary): a step goes from token ids to logits in
-one call, without the embedding's and the head's own calls, conversions and fork of the threads.
+Where the embedding and the LM head are 8-bit packed as ``PackedInt8`` (a 4-bit model's, as the
+default model's GGUF holds its tied ``Q8_0`` table), the call also looks the tokens up and runs
+the LM head (``int8_linear``'s kernel, the threads sharing the vocabulary): a step goes from
+token ids to logits in one call, without the embedding's and the head's own calls, conversions
+and fork of the threads.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class DecodeStack:
             max_tokens,
             kind,
             0 if head is None else head[4],
+            0 if head is None else model.lm_head.vocab_size,
         ]
         call = torch.classes.splitfuse_cpu.DecodeStack(
             weights, stack.cos_sin_cache, sizes, model.config.rms_norm_eps
@@ -187,23 +189,22 @@ def unsupported(
 
 
 def _head(model: LlamaForCausalLM) -> tuple[torch.Tensor, ...] | None:
-    """(embedding values, scales, LM head values, scales, group size) where both are 8-bit in
-    ``quant_linear``'s layout with one group size over the whole vocabulary, else None."""
-    embedding, head = model.model.embed_tokens.quantized, model.lm_head
-    if embedding is None or embedding.bits != 8 or head.quant_bits != 8:
+    """(embedding's packed values, scales, LM head's packed values, scales, group size) where
+    both are 8-bit packed as ``PackedInt8`` with one group size over the whole vocabulary, else
+    None."""
+    embedding, head = model.model.embed_tokens, model.lm_head
+    vocab_size = head.vocab_size
+    if not embedding.int8_out_features == head.int8_out_features == vocab_size:
         return None
     if type(model).compute_logits is not LlamaForCausalLM.compute_logits:
         return None
-    vocab_size = head.vocab_size
-    if embedding.group_size != head.quant_group_size or not (
-        embedding.qweight.shape[0] == head.qweight.shape[0] == vocab_size
-    ):
+    if embedding.quant_group_size != head.quant_group_size:
         return None
-    if model.model.embed_tokens.weight.dtype != model.model.norm.weight.dtype:
+    if embedding.weight.dtype != model.model.norm.weight.dtype:
         return None
     return (
         embedding.qweight,
-        embedding.scales,
+        embedding.qscales,
         head.qweight,
         head.qscales,
         head.quant_group_size,

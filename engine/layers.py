@@ -27,7 +27,7 @@ from engine.deterministic_rows import (
 )
 from engine.packed_linear import PackedWeight, can_pack, packed_linear
 from engine.parallel import SINGLE_PROCESS, ParallelContext
-from engine.quantization import PackedInt4, QuantizedTensor
+from engine.quantization import PackedInt4, PackedInt8, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,9 @@ def _shape(loaded: Any) -> tuple[int, ...]:
 class QuantizableWeight(nn.Module):
     """A module whose ``weight`` [rows, cols] ``set_quantized()`` can replace by a weight-only
     quantized one (``engine/quantization.py``): its tensors become the buffers ``qweight``,
-    ``qscales`` and ``qmins`` (a 4-bit weight on a CPU packed as ``PackedInt4``), and the float
-    parameter gives its storage up (a weight another module shares keeps it until that module is
-    quantized too)."""
+    ``qscales`` and ``qmins`` (a 4-bit weight on a CPU packed as ``PackedInt4``; an 8-bit one
+    given as a ``PackedInt8`` holds no mins), and the float parameter gives its storage up (a
+    weight another module shares keeps it until that module is quantized too)."""
 
     weight: nn.Parameter
     # True where ``weight`` is another module's parameter too (an LM head tied to the embedding)
@@ -53,6 +53,8 @@ class QuantizableWeight(nn.Module):
         self.quant_group_size = 0
         # > 0: the 4-bit buffers hold a ``PackedInt4`` of this many output rows
         self.int4_out_features = 0
+        # > 0: the 8-bit buffers hold a ``PackedInt8`` of this many output rows
+        self.int8_out_features = 0
         # (out_features, in_features) of the weight once packed or quantized
         self.product_shape: tuple[int, int] = (0, 0)
 
@@ -69,19 +71,33 @@ class QuantizableWeight(nn.Module):
                 self.quant_group_size,
             )
             return packed.unpack()
+        if self.int8_out_features:
+            return self.packed_int8.unpack()
         return QuantizedTensor(
             self.qweight, self.qscales, self.qmins, self.quant_bits, self.quant_group_size
         )
 
-    def set_quantized(self, quantized: QuantizedTensor) -> None:
+    @property
+    def packed_int8(self) -> PackedInt8:
+        """The weight as the ``PackedInt8`` it was given as (``int8_out_features`` > 0)."""
+        return PackedInt8(self.qweight, self.qscales, self.int8_out_features, self.quant_group_size)
+
+    def set_quantized(self, quantized: QuantizedTensor | PackedInt8) -> None:
         # (a tied weight may have given its storage up already, quantized by its other module)
         if self.weight.numel() and quantized.shape != tuple(self.weight.shape):
             raise ValueError(
                 f"a quantized weight of shape {quantized.shape} cannot replace one of "
                 f"{tuple(self.weight.shape)}"
             )
+        self.int4_out_features = self.int8_out_features = 0
+        if isinstance(quantized, PackedInt8):
+            self.register_buffer("qweight", quantized.packed, persistent=False)
+            self.register_buffer("qscales", quantized.scales, persistent=False)
+            self.register_buffer("qmins", None, persistent=False)
+            self.int8_out_features = quantized.out_features
+            self._quantized_as(8, quantized.group_size, quantized.shape)
+            return
         tensors = quantized.qweight, quantized.scales, quantized.mins
-        self.int4_out_features = 0
         if quantized.bits == 4 and quantized.qweight.device.type == "cpu":
             # the layout the CPU's 4-bit product reads: the same bytes in another order
             packed = PackedInt4.pack(quantized)
@@ -90,9 +106,12 @@ class QuantizableWeight(nn.Module):
         self.register_buffer("qweight", tensors[0], persistent=False)
         self.register_buffer("qscales", tensors[1], persistent=False)
         self.register_buffer("qmins", tensors[2], persistent=False)
-        self.quant_bits = quantized.bits
-        self.quant_group_size = quantized.group_size
-        self.product_shape = quantized.shape
+        self._quantized_as(quantized.bits, quantized.group_size, quantized.shape)
+
+    def _quantized_as(self, bits: int, group_size: int, shape: tuple[int, int]) -> None:
+        self.quant_bits = bits
+        self.quant_group_size = group_size
+        self.product_shape = shape
         if not self.shares_weight:
             self.weight.data = self.weight.data.new_empty(0)
 
@@ -127,7 +146,10 @@ class MatmulLayer(QuantizableWeight):
             self._share_blocked()
         cpu_quantized = bool(self.quant_bits) and self.qweight.device.type == "cpu"
         if self.packed_weight is not None or cpu_quantized:
-            kind = "packed" if self.packed_weight is not None else f"int{self.quant_bits}"
+            if self.packed_weight is not None:
+                kind = "packed"
+            else:  # (int8_linear and quant_linear multiply 8-bit weights differently)
+                kind = "int8 packed" if self.int8_out_features else f"int{self.quant_bits}"
             out_features, in_features = self.product_shape
             key = (kind, out_features, in_features, self.weight.dtype)
             self.in_tiles = not rows_independent(
@@ -185,6 +207,14 @@ class MatmulLayer(QuantizableWeight):
                     self.qscales,
                     self.qmins,
                     self.int4_out_features,
+                    self.quant_group_size,
+                ).to(x.dtype)
+            elif self.int8_out_features:  # x in int8 runs times the 8-bit values: int32 sums
+                out = torch.ops.splitfuse_cpu.int8_linear(
+                    x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous(),
+                    self.qweight,
+                    self.qscales,
+                    self.int8_out_features,
                     self.quant_group_size,
                 ).to(x.dtype)
             else:  # 8 bits: float32 (or bfloat16) in, float32 out, float32 sums
@@ -352,6 +382,8 @@ class VocabParallelEmbedding(QuantizableWeight):
         _copy_checked(param[: end - self.vocab_start], rows, "embedding rows")
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.int8_out_features:
+            return self.packed_int8.dequantize_rows(ids).to(self.weight.dtype)
         quantized = self.quantized
         if quantized is None:
             return F.embedding(ids, self.weight)

@@ -290,6 +290,76 @@ class PackedInt4:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins))
 
 
+@dataclass
+class PackedInt8:
+    """An 8-bit weight [N, K] packed for ``splitfuse_cpu::int8_linear`` (CPUs): the blocks of
+    ``PackedInt4`` with one byte a value. Blocks of 16 output columns (the last one padded with
+    zero columns), each K / 4 steps of 64 bytes; byte 4 c + j of step s holds value 4 s + j of
+    column c of the block, as q + 128 (0..255: the unsigned operand of VPDPBUSD), so one 64-byte
+    load gives the 4 consecutive values of 16 columns that one instruction multiplies with 4
+    int8 activations:
+
+        packed  [ceil(N / 16), K * 16] uint8
+        scales  [ceil(N / 16), K / group_size, 16] float16
+
+    A model whose products run ``int4_linear`` holds its 8-bit embedding and LM head so (one
+    copy where they are tied): the head multiplies rows rounded to int8 as the 4-bit products
+    do, and the embedding looks its rows up here (``dequantize_rows``)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    group_size: int
+
+    @classmethod
+    def pack(cls, quantized: QuantizedTensor) -> PackedInt8:
+        if quantized.bits != 8:
+            raise ValueError("only 8-bit weights are packed as PackedInt8")
+        num_rows, num_cols = quantized.shape
+        if num_cols % 4:
+            raise ValueError(f"an 8-bit weight of {num_cols} columns: not a multiple of 4")
+        blocks = -(-num_rows // BLOCK_COLS)
+        pad = blocks * BLOCK_COLS - num_rows
+        values = F.pad(quantized.qweight, (0, 0, 0, pad))  # [N', K] int8, zero columns after N
+        steps = values.reshape(blocks, BLOCK_COLS, num_cols // 4, 4).transpose(1, 2)
+        packed = (steps.to(torch.int16) + 128).to(torch.uint8).reshape(blocks, num_cols * 16)
+        scales = F.pad(quantized.scales, (0, 0, 0, pad))
+        scales = scales.reshape(blocks, BLOCK_COLS, -1).transpose(1, 2)
+        return cls(packed.contiguous(), scales.contiguous(), num_rows, quantized.group_size)
+
+    def _values(self) -> torch.Tensor:
+        """[blocks, K / 4, 16, 4] uint8: step, column, value of the step."""
+        blocks, step_bytes = self.packed.shape
+        return self.packed.view(blocks, step_bytes // 64, BLOCK_COLS, 4)
+
+    def unpack(self) -> QuantizedTensor:
+        """The ``QuantizedTensor`` this was packed from."""
+        blocks, step_bytes = self.packed.shape
+        num_cols = step_bytes // 16
+        values = self._values().transpose(1, 2).reshape(blocks * BLOCK_COLS, num_cols)
+        qweight = (values.to(torch.int16) - 128).to(torch.int8)[: self.out_features]
+        scales = self.scales.transpose(1, 2).reshape(blocks * BLOCK_COLS, -1)
+        return QuantizedTensor(
+            qweight.contiguous(), scales[: self.out_features].contiguous(), None, 8, self.group_size
+        )
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` [R] (int64) of the weight as float32 [R, K]: an embedding's lookup."""
+        block, column = rows // BLOCK_COLS, rows % BLOCK_COLS
+        values = self._values()[block, :, column]  # [R, K / 4, 4]
+        q = values.reshape(rows.shape[0], -1).to(torch.float32) - 128
+        scales = self.scales[block, :, column].float()  # [R, K / group_size]
+        return q * scales.repeat_interleave(self.group_size, dim=1)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.packed.shape[1] // 16
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 32) as ``int4_linear`` multiplies it: per row and run of 32
     values, int8 ``q`` and a float32 scale ``d`` = max |x| / 127 (q = round(x / d), ties to even;
@@ -303,9 +373,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(num_rows, num_cols), scale
 
 
-def int4_linear_reference(x: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
-    """What ``int4_linear`` computes, in float64: x quantized (``quantize_activations``) times
-    the dequantized weight. -> [M, N] float32."""
+def int4_linear_reference(x: torch.Tensor, weight: PackedInt4 | PackedInt8) -> torch.Tensor:
+    """What ``int4_linear`` (``int8_linear`` for a ``PackedInt8``) computes, in float64: x
+    quantized (``quantize_activations``) times the dequantized weight. -> [M, N] float32."""
     q, scale = quantize_activations(x)
     num_rows, num_cols = q.shape
     x_hat = q.double().reshape(num_rows, num_cols // RUN, RUN) * scale.double()[:, :, None]
@@ -322,9 +392,10 @@ def quantize_model(
 ) -> dict[str, int]:
     """Replaces the loaded model's linear weights by ``bits``-bit ones (groups of ``group_size``;
     None: one group per output channel), and with ``embeddings`` the token embedding and the LM
-    head by 8-bit ones in groups of 32. A weight that ``stored`` (checkpoint name -> quantized
-    tensor, e.g. a GGUF file's blocks) holds in that layout is taken from it, sharded like the
-    float one; the others are quantized from the float weights. Returns counts: ``stored``,
+    head by 8-bit ones in groups of 32 (on a CPU with 4 bits, packed as ``PackedInt8``). A weight
+    that ``stored`` (checkpoint name -> quantized tensor, e.g. a GGUF file's blocks) holds in that
+    layout is taken from it, sharded like the float one; the others are quantized from the float
+    weights. Returns counts: ``stored``,
     ``quantized``, ``kept`` (left in float: no group size fits them) and ``bytes``."""
     from engine.layers import (
         MatmulLayer,
@@ -368,7 +439,8 @@ def quantize_model(
         parts.setdefault(path, set()).add(shard_id)
 
     counts = {"stored": 0, "quantized": 0, "kept": 0, "bytes": 0}
-    shared: dict[int, QuantizedTensor] = {}  # weight storage -> its quantized form (tied weights)
+    # weight storage -> its quantized form (tied weights)
+    shared: dict[int, QuantizedTensor | PackedInt8] = {}
     # Embeddings first: a tied LM head then takes the same quantized tensors.
     ordered = sorted(
         modules.items(), key=lambda item: not isinstance(item[1], VocabParallelEmbedding)
@@ -382,13 +454,17 @@ def quantize_model(
         expected_parts = len(getattr(module, "output_sizes", [0]))
         if key in shared:
             quantized = shared[key]
-        elif path in holders and len(parts[path]) == expected_parts:
-            quantized = holders[path]
-            counts["stored"] += 1
         else:
-            quantized = quantize(module.weight.data, *wanted)
-            counts["quantized"] += 1
-        if key not in shared:
+            if path in holders and len(parts[path]) == expected_parts:
+                quantized = holders[path]
+                counts["stored"] += 1
+            else:
+                quantized = quantize(module.weight.data, *wanted)
+                counts["quantized"] += 1
+            if bits == 4 and quantized.bits == 8 and quantized.qweight.device.type == "cpu":
+                # the embedding and the LM head of a 4-bit model: the head multiplies rows
+                # rounded to int8 as the 4-bit products do (``PackedInt8``), one copy if tied
+                quantized = PackedInt8.pack(quantized)
             counts["bytes"] += quantized.nbytes
         shared[key] = quantized
         module.set_quantized(quantized)

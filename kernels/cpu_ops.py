@@ -1,8 +1,9 @@
 """The C++ CPU operators of ``kernels/cpu/``, built by torch's extension builder (once; ``make
 install`` builds them, later imports load the cached library):
 
-- ``splitfuse_cpu::quant_linear`` and ``splitfuse_cpu::int4_linear``, the weight-only quantized
-  products (8-bit and 4-bit), with PyTorch fallbacks where no C++ compiler is there;
+- ``splitfuse_cpu::quant_linear``, ``int4_linear`` and ``int8_linear``, the weight-only
+  quantized products (8-bit, 4-bit, and 8-bit packed as the 4-bit ones), with PyTorch fallbacks
+  where no C++ compiler is there;
 - ``splitfuse_cpu::fixed_order_attention``, attention over the paged cache in a fixed order:
   deterministic mode's, and the default mode's for decode tokens (``kernels/torch_attention.py``;
   without a compiler, SDPA and, in deterministic mode, PyTorch products in a fixed order
@@ -29,6 +30,10 @@ and multiplied in hardware.
 as ``PackedInt4`` -> [M, N] float32; x is rounded to int8 in runs of 32 first
 (``quantize_activations``) and the 4-bit values multiply it in int32 sums
 (``int4_linear_reference`` is what it computes).
+
+``int8_linear(x, packed, scales, out_features, group_size)``: the same for an 8-bit weight
+packed as ``PackedInt8`` (the embedding and LM head of a model whose products run
+``int4_linear``).
 
 ``store_and_attend_step(query, key, value, kv_cache, layer, slots, block_tables, query_start,
 context_lens, scale)``: writes token t's K/V into slot slots[t] (-1: not stored) of layer
@@ -85,7 +90,12 @@ def _build() -> str:
 
 def _define_fallback() -> None:
     """The same operators in PyTorch (dequantize, then ``F.linear``)."""
-    from engine.quantization import PackedInt4, dequantize_groups, int4_linear_reference
+    from engine.quantization import (
+        PackedInt4,
+        PackedInt8,
+        dequantize_groups,
+        int4_linear_reference,
+    )
 
     library = torch.library.Library("splitfuse_cpu", "DEF")
     _state["library"] = library  # kept alive: the definitions live as long as the object
@@ -108,6 +118,15 @@ def _define_fallback() -> None:
         return int4_linear_reference(x, weight)
 
     library.impl("int4_linear", int4_linear, "CPU")
+    library.define(
+        "int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, int group_size) "
+        "-> Tensor"
+    )
+
+    def int8_linear(x, packed, scales, out_features, group_size):  # type: ignore[no-untyped-def]
+        return int4_linear_reference(x, PackedInt8(packed, scales, out_features, group_size))
+
+    library.impl("int8_linear", int8_linear, "CPU")
 
 
 def load() -> str:
@@ -134,6 +153,10 @@ def load() -> str:
 
         @torch.library.register_fake("splitfuse_cpu::int4_linear")
         def _fake_int4(x, packed, scales, mins, out_features, group_size):  # type: ignore[no-untyped-def]
+            return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+        @torch.library.register_fake("splitfuse_cpu::int8_linear")
+        def _fake_int8(x, packed, scales, out_features, group_size):  # type: ignore[no-untyped-def]
             return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
         if kind != "torch":

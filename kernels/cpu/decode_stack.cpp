@@ -26,10 +26,11 @@
 //   x      = round(product(act))
 //
 // and the final norm after the last layer. Where the stack holds the 8-bit embedding and LM head
-// (`logits`), it starts from the token ids (the embedding's rows dequantized and rounded as the
-// model does) and ends with the LM head: every thread the final norm, then its share of the
-// vocabulary's columns through quant_linear's kernel (quant_linear.h), each logit rounded to the
-// activations' dtype as the model's head rounds it. The products and attention are the
+// (`logits`; packed as int8_linear reads them), it starts from the token ids (the embedding's
+// rows dequantized and rounded as the model does) and ends with the LM head: every thread the
+// final norm and its rounding to int8, then its share of the vocabulary's column blocks through
+// int8_linear's kernel (int4_linear.h), each logit rounded to the activations' dtype as the
+// model's head rounds it. The products and attention are the
 // operators' own kernels on the same inputs, so they give the same bits as the operators; the
 // norms, rotary and SiLU are written here, in float32 as the model computes them, and may differ
 // from PyTorch's in the last bit of a float32 before rounding (a sum's order, an exp's
@@ -48,7 +49,6 @@
 #include "fixed_order_attention.h"
 #include "float16_bits.h"
 #include "int4_linear.h"
-#include "quant_linear.h"
 
 #include <algorithm>
 #include <cmath>
@@ -186,33 +186,34 @@ struct DecodeStack : torch::CustomClassHolder {
   int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, group_size;
   int64_t max_tokens;
   float eps;
-  // the embedding and the LM head, 8 bits (quant_linear's layout), where the stack holds them
-  // (head_group > 0: `logits` runs a step from token ids to logits)
+  // the embedding and the LM head, 8 bits packed as int8_linear reads them, where the stack
+  // holds them (head_group > 0: `logits` runs a step from token ids to logits)
   int64_t head_group = 0, vocab_size = 0;
-  at::Tensor embed_q, embed_scales, head_q, head_scales;
+  at::Tensor embed_packed, embed_scales, head_packed, head_scales;
 
   // weights: per layer input_norm, post_norm, then qkv, o, gate_up and down, each as its kind
   // holds it (int4: packed, scales, mins; blocked: the blocked weight); then the final norm; then,
-  // with head_group > 0, the embedding's and the LM head's int8 values [vocab_size, hidden] and
-  // float16 scales [vocab_size, hidden / head_group] (the same tensors where they are tied).
+  // with head_group > 0, the embedding's and the LM head's packed values [ceil(vocab_size / 16),
+  // hidden * 16] uint8 and float16 scales [ceil(vocab_size / 16), hidden / head_group, 16]
+  // (PackedInt8; the same tensors where they are tied).
   // sizes: num_heads, num_kv_heads, head_dim, intermediate_size, group_size (int4's), max_tokens,
-  // kind (4: int4, 16: blocked bfloat16), head_group (0: no embedding and LM head).
+  // kind (4: int4, 16: blocked bfloat16), head_group (0: no embedding and LM head), vocab_size.
   DecodeStack(std::vector<at::Tensor> weights, at::Tensor cos_sin_, std::vector<int64_t> sizes,
               double eps_)
       : cos_sin(std::move(cos_sin_)), eps(static_cast<float>(eps_)) {
-    TORCH_CHECK(sizes.size() == 8, kName, ": sizes must be [num_heads, num_kv_heads, head_dim, "
-                "intermediate_size, group_size, max_tokens, kind, head_group]");
+    TORCH_CHECK(sizes.size() == 9, kName, ": sizes must be [num_heads, num_kv_heads, head_dim, "
+                "intermediate_size, group_size, max_tokens, kind, head_group, vocab_size]");
     num_heads = sizes[0], num_kv_heads = sizes[1], head_dim = sizes[2];
     intermediate_size = sizes[3], group_size = sizes[4], max_tokens = sizes[5];
-    head_group = sizes[7];
+    head_group = sizes[7], vocab_size = sizes[8];
     TORCH_CHECK(head_group >= 0 && head_group % 32 == 0, kName,
                 ": head_group must be 0 or a multiple of 32");
     if (head_group > 0) {  // the last four weights: the embedding's and the LM head's
       TORCH_CHECK(weights.size() > 4, kName, ": the embedding and the LM head are missing");
       head_scales = weights.back(), weights.pop_back();
-      head_q = weights.back(), weights.pop_back();
+      head_packed = weights.back(), weights.pop_back();
       embed_scales = weights.back(), weights.pop_back();
-      embed_q = weights.back(), weights.pop_back();
+      embed_packed = weights.back(), weights.pop_back();
     }
     TORCH_CHECK(sizes[6] == static_cast<int64_t>(Kind::kInt4) ||
                     sizes[6] == static_cast<int64_t>(Kind::kBlocked),
@@ -243,18 +244,22 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     final_norm = norm_weight(last);
     if (head_group > 0) {
-      vocab_size = head_q.size(0);
-      for (const auto& [q, scales, name] :
-           {std::tuple{&embed_q, &embed_scales, "embedding"}, {&head_q, &head_scales, "LM head"}})
-        TORCH_CHECK(q->dim() == 2 && q->size(0) == vocab_size && q->size(1) == hidden_size &&
-                        q->is_contiguous() && q->scalar_type() == at::kChar &&
-                        q->device().is_cpu() && hidden_size % head_group == 0 &&
-                        scales->dim() == 2 && scales->size(0) == vocab_size &&
-                        scales->size(1) == hidden_size / head_group &&
+      const int64_t blocks = (vocab_size + kCols - 1) / kCols;
+      TORCH_CHECK(vocab_size > 0 && hidden_size % head_group == 0, kName,
+                  ": vocab_size must be positive and head_group divide ", hidden_size);
+      for (const auto& [packed, scales, name] :
+           {std::tuple{&embed_packed, &embed_scales, "embedding"},
+            {&head_packed, &head_scales, "LM head"}})
+        TORCH_CHECK(packed->dim() == 2 && packed->size(0) == blocks &&
+                        packed->size(1) == hidden_size * kCols && packed->is_contiguous() &&
+                        packed->scalar_type() == at::kByte && packed->device().is_cpu() &&
+                        scales->dim() == 3 && scales->size(0) == blocks &&
+                        scales->size(1) == hidden_size / head_group && scales->size(2) == kCols &&
                         scales->is_contiguous() && scales->scalar_type() == at::kHalf &&
                         scales->device().is_cpu(),
-                    kName, ": the ", name, " must be contiguous int8 [vocab_size, ", hidden_size,
-                    "] with float16 scales [vocab_size, ", hidden_size, " / head_group]");
+                    kName, ": the ", name, " must be packed as PackedInt8: uint8 [", blocks, ", ",
+                    hidden_size * kCols, "] with float16 scales [", blocks, ", ", hidden_size,
+                    " / head_group, 16]");
     }
     for (size_t at = 0; at + 1 < weights.size(); at += per_layer) {
       Layer layer;
@@ -378,14 +383,21 @@ struct DecodeStack : torch::CustomClassHolder {
     std::vector<float> x(T * H), qkv(T * qkv_size), query(T * q_size), attended(T * q_size);
     std::vector<float> projected(T * H), gate_up(T * 2 * I), act(T * I);
     if (from_ids) {  // the embedding's rows, as the model rounds them to the activations' dtype
+      // (PackedInt8: value k of row n is byte (k / 4) * 64 + c * 4 + k % 4 of block b, minus
+      // 128, with n = 16 b + c; its scale is entry c of the block's group k / head_group)
       const int64_t* ids = tokens.data_ptr<int64_t>();
-      const int8_t* q = embed_q.data_ptr<int8_t>();
+      const uint8_t* packed = embed_packed.data_ptr<uint8_t>();
       const auto* scales = reinterpret_cast<const uint16_t*>(embed_scales.data_ptr<at::Half>());
       const int64_t groups = H / head_group;
-      for (int64_t t = 0; t < T; ++t)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t block = ids[t] / kCols, c = ids[t] % kCols;
+        const uint8_t* values = packed + block * H * kCols + c * 4;
+        const uint16_t* row_scales = scales + block * groups * kCols + c;
         for (int64_t k = 0; k < H; ++k)
-          x[t * H + k] = to_act(static_cast<float>(q[ids[t] * H + k]) *
-                                half_to_float(scales[ids[t] * groups + k / head_group]));
+          x[t * H + k] = to_act(static_cast<float>(static_cast<int>(values[k / 4 * 64 + k % 4]) -
+                                                   128) *
+                                half_to_float(row_scales[k / head_group * kCols]));
+      }
     } else {
       const at::Tensor hidden_f = tokens.to(at::kFloat).contiguous();
       std::memcpy(x.data(), hidden_f.data_ptr<float>(), sizeof(float) * T * H);
@@ -551,18 +563,16 @@ struct DecodeStack : torch::CustomClassHolder {
 #pragma omp barrier
       }
       if (from_ids) {
-        // every thread the final norm, then its share of the LM head's columns (whole tiles of
-        // 4, as the operator shares them), each logit rounded as the model's head rounds it
+        // every thread the final norm and its rows rounded to int8, then its share of the LM
+        // head's column blocks, each logit rounded as the model's head rounds it
         norm(final_norm, x.data(), false);
-        if (bf16)
-          for (int64_t i = 0; i < T * H; ++i) x16[i] = bf16_bits(rows_in[i]);
-        const auto [c0, c1] = share((vocab_size + 3) / 4, P, me);
-        const int64_t col_begin = 4 * c0, col_end = std::min(vocab_size, 4 * c1);
+        int4.quantize_floats(rows_in, H, 0, T, q8, d8, s8);
+        const auto [b0, b1] = share((vocab_size + kCols - 1) / kCols, P, me);
+        const int64_t col_begin = b0 * kCols, col_end = std::min(vocab_size, b1 * kCols);
         float* logits_ptr = out.data_ptr<float>();
-        splitfuse_quant::quant_linear_range(
-            rows_in, bf16 ? x16 : nullptr, T, H, vocab_size, head_q.data_ptr<int8_t>(),
-            reinterpret_cast<const uint16_t*>(head_scales.data_ptr<at::Half>()), head_group,
-            col_begin, col_end, logits_ptr);
+        int4.columns8(q8, d8, s8, T, H, vocab_size, head_packed.data_ptr<uint8_t>(),
+                      reinterpret_cast<const uint16_t*>(head_scales.data_ptr<at::Half>()),
+                      head_group, b0, b1, tile_out, logits_ptr);
         for (int64_t t = 0; t < T && col_begin < col_end; ++t)
           round_into(logits_ptr + t * vocab_size + col_begin,
                      logits_ptr + t * vocab_size + col_begin, col_end - col_begin, bf16);

@@ -1,5 +1,5 @@
 // splitfuse_cpu::int4_linear: x [M, K] (float32 or bfloat16) times a 4-bit weight packed for
-// integer dot products (engine/quantization.py, pack_int4_blocks), out [M, N] float32.
+// integer dot products (engine/quantization.py, PackedInt4), out [M, N] float32.
 //
 // x is quantized first, per row and run of 32 values, to int8 with one float scale (as
 // llama.cpp's Q8 blocks do for its 4-bit dot products); then each run of 32 multiplies the
@@ -15,6 +15,12 @@
 // Packed weight [ceil(N / 16), K * 8] uint8: blocks of 16 output columns, each K / 8 steps of 64
 // bytes (int4_linear_body.h); scales and mins [ceil(N / 16), K / group_size, 16] float16. Threads
 // share the blocks; a block's bytes are one sequential stream.
+//
+// splitfuse_cpu::int8_linear: the same product for an 8-bit symmetric weight packed alike
+// (engine/quantization.py, PackedInt8: [ceil(N / 16), K * 16] uint8, each value q as the byte
+// q + 128; float16 scales, no mins): x rounded to int8 the same way, int32 sums of byte products
+// (VPDPBUSD with VNNI). It serves the embedding and the LM head of a model whose products run
+// int4_linear; int8 models keep 16/32-bit activations (quant_linear.cpp).
 // The body is compiled for AVX-512 with VNNI, AVX-512, AVX2 and SSE2; the widest one the CPU
 // runs is picked once (SPLITFUSE_CPU_ISA=avx512, avx2 or sse2 asks for a narrower one).
 
@@ -58,6 +64,7 @@ namespace int4_avx2 {
 #define SF_ROW_TILE 2
 #define SF_COL_BLOCKS 1
 #define SF_ONE_ROW_BLOCKS 2
+#define SF_BYTE_DOT 0
 typedef int32_t vint __attribute__((vector_size(32)));
 typedef float vfloat __attribute__((vector_size(32)));
 typedef uint8_t vbyte __attribute__((vector_size(32)));
@@ -78,6 +85,7 @@ namespace int4_sse2 {
 #define SF_ROW_TILE 2
 #define SF_COL_BLOCKS 1
 #define SF_ONE_ROW_BLOCKS 1
+#define SF_BYTE_DOT 1
 typedef int32_t vint __attribute__((vector_size(16)));
 typedef float vfloat __attribute__((vector_size(16)));
 typedef uint8_t vbyte __attribute__((vector_size(16)));
@@ -102,7 +110,8 @@ using splitfuse_int4::Int4Kernels;
 
 #define SF_KERNELS(ns, label)                                                                \
   Int4Kernels {                                                                              \
-    label, ns::quantize_rows<float>, ns::quantize_rows<uint16_t>, ns::int4_columns           \
+    label, ns::quantize_rows<float>, ns::quantize_rows<uint16_t>, ns::int4_columns,          \
+        ns::int8_columns                                                                     \
   }
 
 // The widest body the CPU runs; SPLITFUSE_CPU_ISA=avx512 (no VNNI), avx2 or sse2 asks for a
@@ -131,60 +140,109 @@ const Int4Kernels& splitfuse_int4::int4_kernels() { return kernels; }
 
 namespace {
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& mins, int64_t out_features, int64_t group_size) {
+// x [M, K] rounded to int8 in runs of 32 (kernels.quantize_*): values, then per run the scales
+// and the scaled sums, in one allocation (no tensors: three a call, 120 calls a step);
+// uninitialized, as every element is written first (new T[n], not C++20's
+// make_unique_for_overwrite: torch before 2.13 builds as C++17)
+struct RoundedRows {
+  std::unique_ptr<float[]> storage;
+  int8_t* q;
+  float* d;
+  float* s;
+
+  explicit RoundedRows(const at::Tensor& x) {
+    const int64_t M = x.size(0), K = x.size(1), runs = K / 32;
+    storage.reset(new float[M * K / 4 + 2 * M * runs]);
+    q = reinterpret_cast<int8_t*>(storage.get());
+    d = storage.get() + M * K / 4;
+    s = d + M * runs;
+    // a few rows are quantized on the calling thread (a decode step's one row: ~1 us)
+    const int64_t row_grain = std::max<int64_t>(1, 16384 / K);
+    if (x.scalar_type() == at::kFloat) {
+      const float* x_ptr = x.data_ptr<float>();
+      at::parallel_for(0, M, row_grain, [&](int64_t begin, int64_t end) {
+        kernels.quantize_floats(x_ptr, K, begin, end, q, d, s);
+      });
+    } else {
+      const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+      at::parallel_for(0, M, row_grain, [&](int64_t begin, int64_t end) {
+        kernels.quantize_bf16(x_ptr, K, begin, end, q, d, s);
+      });
+    }
+  }
+};
+
+// The checks both operators make of x, K and group_size.
+void check_rows(const char* name, const at::Tensor& x, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "int4_linear: x must be a contiguous float32 or bfloat16 [M, K] tensor");
+              name, ": x must be a contiguous float32 or bfloat16 [M, K] tensor");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K > 0 && K % 32 == 0, name, ": K=", K, " must be a multiple of 32");
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0, name,
+              ": group_size ", group_size, " must be a multiple of 32 dividing K=", K);
+  TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensors only");
+}
+
+// scales (and mins) [ceil(N / 16), K / group_size, 16] float16
+void check_block_scales(const char* name, const at::Tensor& t, int64_t blocks,
+                        int64_t num_groups) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 &&
+                  t.size(0) == blocks && t.size(1) == num_groups && t.size(2) == 16 &&
+                  t.device().is_cpu(),
+              name, ": scales and mins must be contiguous float16 [ceil(N/16), K/group_size, 16]");
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t out_features, int64_t group_size) {
+  check_rows("int4_linear", x, group_size);
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(K > 0 && K % 32 == 0, "int4_linear: K=", K, " must be a multiple of 32");
-  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
-              "int4_linear: group_size ", group_size, " must be a multiple of 32 dividing K=", K);
   const int64_t blocks = (N + 15) / 16;
-  const int64_t num_groups = K / group_size;
   TORCH_CHECK(N > 0 && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte && packed.size(0) == blocks &&
-                  packed.size(1) == K * 8,
+                  packed.size(1) == K * 8 && packed.device().is_cpu(),
               "int4_linear: packed must be contiguous uint8 [ceil(N/16), K*8] = [", blocks, ", ",
               K * 8, "]");
-  for (const at::Tensor* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == blocks && t->size(1) == num_groups && t->size(2) == 16,
-                "int4_linear: scales and mins must be contiguous float16 [ceil(N/16), "
-                "K/group_size, 16]");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "int4_linear: CPU tensors only");
+  check_block_scales("int4_linear", scales, blocks, K / group_size);
+  check_block_scales("int4_linear", mins, blocks, K / group_size);
 
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
-  const int64_t runs = K / 32;
-  // x as int8 [M, K], then its scales and scaled sums [M, K / 32] each: one allocation, no
-  // tensors (three a call, 120 calls a step); uninitialized, as every element is written first
-  // (new T[n], not C++20's make_unique_for_overwrite: torch before 2.13 builds as C++17)
-  const std::unique_ptr<float[]> rounded(new float[M * K / 4 + 2 * M * runs]);
-  int8_t* q_ptr = reinterpret_cast<int8_t*>(rounded.get());
-  float* d_ptr = rounded.get() + M * K / 4;
-  float* s_ptr = d_ptr + M * runs;
-  // a few rows are quantized on the calling thread (a decode step's one row: ~1 us)
-  const int64_t row_grain = std::max<int64_t>(1, 16384 / K);
-  if (x.scalar_type() == at::kFloat) {
-    const float* x_ptr = x.data_ptr<float>();
-    at::parallel_for(0, M, row_grain, [&](int64_t begin, int64_t end) {
-      kernels.quantize_floats(x_ptr, K, begin, end, q_ptr, d_ptr, s_ptr);
-    });
-  } else {
-    const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    at::parallel_for(0, M, row_grain, [&](int64_t begin, int64_t end) {
-      kernels.quantize_bf16(x_ptr, K, begin, end, q_ptr, d_ptr, s_ptr);
-    });
-  }
+  const RoundedRows rows(x);
   const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
   const auto* sc_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* mn_ptr = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float tile_out[4 * 64];
-    kernels.columns(q_ptr, d_ptr, s_ptr, M, K, N, w_ptr, sc_ptr, mn_ptr, group_size, begin, end,
-                    tile_out, out_ptr);
+    kernels.columns(rows.q, rows.d, rows.s, M, K, N, w_ptr, sc_ptr, mn_ptr, group_size, begin,
+                    end, tile_out, out_ptr);
+  });
+  return out;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       int64_t out_features, int64_t group_size) {
+  check_rows("int8_linear", x, group_size);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t blocks = (N + 15) / 16;
+  TORCH_CHECK(N > 0 && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte && packed.size(0) == blocks &&
+                  packed.size(1) == K * 16 && packed.device().is_cpu(),
+              "int8_linear: packed must be contiguous uint8 [ceil(N/16), K*16] = [", blocks, ", ",
+              K * 16, "]");
+  check_block_scales("int8_linear", scales, blocks, K / group_size);
+
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return out;
+  const RoundedRows rows(x);
+  const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
+  const auto* sc_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float tile_out[4 * 64];
+    kernels.columns8(rows.q, rows.d, rows.s, M, K, N, w_ptr, sc_ptr, group_size, begin, end,
+                     tile_out, out_ptr);
   });
   return out;
 }
@@ -194,7 +252,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int out_features, "
         "int group_size) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, "
+        "int group_size) -> Tensor");
   m.def("int4_instruction_set() -> str", [] { return std::string(kernels.name); });
 }
 
-TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) { m.impl("int4_linear", int4_linear); }
+TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {
+  m.impl("int4_linear", int4_linear);
+  m.impl("int8_linear", int8_linear);
+}

@@ -1,6 +1,6 @@
 // What int4_linear.cpp shares with the other operators of kernels/cpu/ (decode_stack.cpp): the
-// 4-bit product's kernels for the widest instruction set the CPU runs, to call on raw pointers
-// from a parallel region of the caller's own.
+// kernels of the 4-bit product (and of the packed 8-bit one) for the widest instruction set the
+// CPU runs, to call on raw pointers from a parallel region of the caller's own.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +22,10 @@ struct Int4Kernels {
                   int64_t N, const uint8_t* packed, const uint16_t* scales,
                   const uint16_t* mins, int64_t group_size, int64_t block_begin,
                   int64_t block_end, float* tile_out, float* out);
+  // The same for an 8-bit weight packed for these dot products (PackedInt8: no mins).
+  void (*columns8)(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K,
+                   int64_t N, const uint8_t* packed, const uint16_t* scales, int64_t group_size,
+                   int64_t block_begin, int64_t block_end, float* tile_out, float* out);
 };
 
 // Picked once, at load (SPLITFUSE_CPU_ISA=avx512, avx2 or sse2 asks for a narrower body).

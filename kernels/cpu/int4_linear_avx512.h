@@ -7,6 +7,7 @@
 #define SF_ROW_TILE 4
 #define SF_COL_BLOCKS 2
 #define SF_ONE_ROW_BLOCKS 1
+#define SF_BYTE_DOT SF_VNNI
 typedef int32_t vint __attribute__((vector_size(64)));
 typedef float vfloat __attribute__((vector_size(64)));
 typedef uint8_t vbyte __attribute__((vector_size(64)));

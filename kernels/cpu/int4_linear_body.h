@@ -5,10 +5,18 @@
 //   SF_COL_BLOCKS   column blocks per micro-kernel call when there are several rows
 //   vint, vfloat    SF_LANES int32s / floats; vbyte: 4 * SF_LANES uint8s
 //   dot4(acc, w, x) acc + per lane the sum of its 4 bytes of w (0..15) times the 4 int8s of x
+//   SF_BYTE_DOT     1 where dot4 takes bytes of any value (0..255: VNNI's VPDPBUSD), 0 where
+//                   it sums byte products in pairs of int16 (4-bit values only)
 //   load_halves(p)  SF_LANES float16s as floats
 //   round_even(v)   v rounded to the nearest integer, ties to even (as the reference rounds)
 // The rest is GCC vector extensions, so one source becomes AVX-512 (with or without VNNI), AVX2
 // or SSE2 code. The SF_ parameters are undefined at the end.
+//
+// 8-bit weights (PackedInt8: symmetric values q in -127..127 stored as the bytes u = q + 128)
+// run the same way: sum_k u x = sum_k q x + 128 sum_k x, so a run adds
+//   sum_u * (scale_w * d_x) + (-128 scale_w) * s_x
+// the 4-bit form with the min -128 scale_w. Without SF_BYTE_DOT a byte multiplies as its two
+// nibbles, sum_u = sum_low + 16 sum_high: the same int32 sums on every instruction set.
 
 constexpr int kCols = 16;                   // output columns per packed block
 constexpr int kVecs = kCols / SF_LANES;     // vectors per block
@@ -86,19 +94,22 @@ static inline vint chain_sum(const vint* sums) {
 }
 
 // out [ROWS, CB * 16] (row stride ldo) = ROWS rows of int8 x times CB packed blocks of 16
-// columns. A block is K / 8 steps of 64 bytes: step k8 holds, for each of the 16 columns, 4
-// bytes whose low nibbles are the column's values k8 * 8 + 0..3 and whose high nibbles are
-// values k8 * 8 + 4..7, so one 64-byte load, a mask and a shift give two vectors that multiply
-// 4 consecutive x values broadcast to every lane (dot4: VPDPBUSD with VNNI). Per run of 32 x
-// values, the int32 sums turn into floats once:
-//   out += sum_q * (scale_w * d_x) + min_w * s_x
+// columns of BITS-bit weights. A 4-bit block is K / 8 steps of 64 bytes: step k8 holds, for
+// each of the 16 columns, 4 bytes whose low nibbles are the column's values k8 * 8 + 0..3 and
+// whose high nibbles are values k8 * 8 + 4..7, so one 64-byte load, a mask and a shift give two
+// vectors that multiply 4 consecutive x values broadcast to every lane (dot4: VPDPBUSD with
+// VNNI). An 8-bit block is K / 4 steps of 64 bytes: step k4 holds each column's values
+// k4 * 4 + 0..3, one byte each. Per run of 32 x values, the int32 sums turn into floats once:
+//   out += sum_q * (scale_w * d_x) + min_w * s_x           (8 bits: min_w = -128 scale_w)
 // Each column's arithmetic is the same whatever ROWS and CB are: a row's result does not depend
 // on the other rows of the call.
-template <int ROWS, int CB>
+template <int BITS, int ROWS, int CB>
 static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
                  const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
                  int64_t num_groups, int64_t group_size, float* out, int64_t ldo) {
-  const int64_t block_bytes = K * 8;           // 16 columns x K / 2 bytes
+  constexpr int kValuesPerStep = BITS == 4 ? 8 : 4;   // of one column, in its 4 bytes of a step
+  constexpr int kSteps = kRun / kValuesPerStep;       // 64-byte steps per run
+  const int64_t block_bytes = K * 2 * BITS;           // 16 columns x K BITS-bit values
   const int64_t block_scales = num_groups * kCols;
   const int64_t runs = K / kRun;
   const int64_t runs_per_group = group_size / kRun;
@@ -107,9 +118,12 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
     for (int c = 0; c < CB; ++c)
       for (int v = 0; v < kVecs; ++v) acc[r][c][v] = (vfloat){};
   // Each byte product adds to an int32 sum that the previous one wrote (VPDPBUSD: ~4 cycles
-  // before the next may start); with fewer than 4 sums in flight the low and the high nibbles
-  // add to sums of their own, joined per run. Integer sums: the same result either way.
-  constexpr int kChains = ROWS * CB * kVecs < 4 ? 2 : 1;
+  // before the next may start); with fewer than 4 sums in flight the two halves of a step (4
+  // bits: the low and the high nibbles; 8 bits: the even and the odd steps) add to sums of
+  // their own, joined per run. Integer sums: the same result either way. 8-bit bytes that
+  // dot4 cannot take whole add as their nibbles, to sums of their own too.
+  constexpr bool kNibbles = BITS == 8 && !SF_BYTE_DOT;
+  constexpr int kChains = kNibbles || ROWS * CB * kVecs < 4 ? 2 : 1;
   // the weight's group of each run, counted (a division per run cost ~8% of one row's product)
   int64_t group = 0, run_in_group = 0;
   for (int64_t run = 0; run < runs; ++run) {
@@ -118,8 +132,8 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
       for (int c = 0; c < CB; ++c)
         for (int v = 0; v < kVecs; ++v)
           for (int h = 0; h < kChains; ++h) dot[r][c][v][h] = (vint){};
-    for (int step = 0; step < kRun / 8; ++step) {
-      const int64_t k8 = run * (kRun / 8) + step;
+    for (int step = 0; step < kSteps; ++step) {
+      const int64_t k8 = run * kSteps + step;  // the step in the block
       // One or two rows wait on the weight's bytes, and the hardware prefetcher starts over
       // on every call's (and thread's) few kilobytes: the CB blocks after these (contiguous
       // with them) are asked for into the L2 cache, 64 bytes per block per step, so the next
@@ -129,32 +143,49 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
       if constexpr (ROWS <= 2)
         for (int c = 0; c < CB; ++c)
           __builtin_prefetch(packed + CB * block_bytes + (k8 * CB + c) * 64, 0, 2);
-      vbyte low[CB][kVecs], high[CB][kVecs];
-      for (int c = 0; c < CB; ++c)
-        for (int v = 0; v < kVecs; ++v) {
-          const vbyte w = load_bytes(packed + c * block_bytes + k8 * 64 + v * 4 * SF_LANES);
-          low[c][v] = w & 15;
-          high[c][v] = w >> 4;
-        }
-      for (int r = 0; r < ROWS; ++r) {
-        const int32_t x_low = load_word(xq + r * K + k8 * 8);
-        const int32_t x_high = load_word(xq + r * K + k8 * 8 + 4);
+      if constexpr (BITS == 4 || kNibbles) {
+        vbyte low[CB][kVecs], high[CB][kVecs];
         for (int c = 0; c < CB; ++c)
           for (int v = 0; v < kVecs; ++v) {
-            dot[r][c][v][0] = dot4(dot[r][c][v][0], low[c][v], x_low);
-            dot[r][c][v][kChains - 1] = dot4(dot[r][c][v][kChains - 1], high[c][v], x_high);
+            const vbyte w = load_bytes(packed + c * block_bytes + k8 * 64 + v * 4 * SF_LANES);
+            low[c][v] = w & 15;
+            high[c][v] = w >> 4;
           }
+        for (int r = 0; r < ROWS; ++r) {
+          // 4 bits: the high nibbles are the next 4 values; 8 bits: the same values' high halves
+          const int32_t x_low = load_word(xq + r * K + k8 * kValuesPerStep);
+          const int32_t x_high = BITS == 4 ? load_word(xq + r * K + k8 * 8 + 4) : x_low;
+          for (int c = 0; c < CB; ++c)
+            for (int v = 0; v < kVecs; ++v) {
+              dot[r][c][v][0] = dot4(dot[r][c][v][0], low[c][v], x_low);
+              dot[r][c][v][kChains - 1] = dot4(dot[r][c][v][kChains - 1], high[c][v], x_high);
+            }
+        }
+      } else {  // 8-bit bytes whole
+        const int chain = kChains == 2 ? (step & 1) : 0;
+        vbyte w[CB][kVecs];
+        for (int c = 0; c < CB; ++c)
+          for (int v = 0; v < kVecs; ++v)
+            w[c][v] = load_bytes(packed + c * block_bytes + k8 * 64 + v * 4 * SF_LANES);
+        for (int r = 0; r < ROWS; ++r) {
+          const int32_t x4 = load_word(xq + r * K + k8 * 4);
+          for (int c = 0; c < CB; ++c)
+            for (int v = 0; v < kVecs; ++v)
+              dot[r][c][v][chain] = dot4(dot[r][c][v][chain], w[c][v], x4);
+        }
       }
     }
     for (int c = 0; c < CB; ++c)
       for (int v = 0; v < kVecs; ++v) {
         const int64_t at = c * block_scales + group * kCols + v * SF_LANES;
         const vfloat scale = load_halves(scales + at);
-        const vfloat min = load_halves(mins + at);
-        for (int r = 0; r < ROWS; ++r)
-          acc[r][c][v] += __builtin_convertvector(chain_sum<kChains>(dot[r][c][v]), vfloat) *
-                              (scale * xd[r * runs + run]) +
+        const vfloat min = BITS == 4 ? load_halves(mins + at) : scale * -128.0f;
+        for (int r = 0; r < ROWS; ++r) {
+          const vint sum = kNibbles ? dot[r][c][v][0] + (dot[r][c][v][kChains - 1] << 4)
+                                    : chain_sum<kChains>(dot[r][c][v]);
+          acc[r][c][v] += __builtin_convertvector(sum, vfloat) * (scale * xd[r * runs + run]) +
                           min * xs[r * runs + run];
+        }
       }
     if (++run_in_group == runs_per_group) {
       run_in_group = 0;
@@ -167,44 +198,40 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
         __builtin_memcpy(out + r * ldo + c * kCols + v * SF_LANES, &acc[r][c][v], sizeof(vfloat));
 }
 
-template <int ROWS>
+template <int BITS, int ROWS>
 static void tile_rows(int blocks, const int8_t* xq, const float* xd, const float* xs, int64_t K,
                       const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
                       int64_t num_groups, int64_t group_size, float* out, int64_t ldo) {
+#define SF_TILE(CB) \
+  tile<BITS, ROWS, CB>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo)
   switch (blocks) {
 #if SF_COL_BLOCKS > 3 || SF_ONE_ROW_BLOCKS > 3
-    case 4:
-      tile<ROWS, 4>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo);
-      break;
-    case 3:
-      tile<ROWS, 3>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo);
-      break;
+    case 4: SF_TILE(4); break;
+    case 3: SF_TILE(3); break;
 #endif
-    case 2:
-      tile<ROWS, 2>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo);
-      break;
-    default:
-      tile<ROWS, 1>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo);
-      break;
+    case 2: SF_TILE(2); break;
+    default: SF_TILE(1); break;
   }
+#undef SF_TILE
 }
 
 // Column blocks [block_begin, block_end) of out [M, N]: for each run of blocks (up to
 // SF_COL_BLOCKS, or SF_ONE_ROW_BLOCKS for one row), every tile of rows in turn, so the blocks'
 // bytes stay in the cache while the rows pass. `tile_out` holds SF_ROW_TILE * 64 floats: a tile's
-// result before the columns past N are cut off. out [M, N] float32.
-static void int4_columns(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K,
-                         int64_t N, const uint8_t* packed, const uint16_t* scales,
-                         const uint16_t* mins, int64_t group_size, int64_t block_begin,
-                         int64_t block_end, float* tile_out, float* out) {
+// result before the columns past N are cut off. out [M, N] float32. 8 bits: no mins.
+template <int BITS>
+static void columns(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K,
+                    int64_t N, const uint8_t* packed, const uint16_t* scales,
+                    const uint16_t* mins, int64_t group_size, int64_t block_begin,
+                    int64_t block_end, float* tile_out, float* out) {
   const int64_t num_groups = K / group_size;
   const int64_t runs = K / kRun;
   const int max_blocks = M == 1 ? SF_ONE_ROW_BLOCKS : SF_COL_BLOCKS;
   for (int64_t nb = block_begin; nb < block_end; nb += max_blocks) {
     const int blocks = static_cast<int>(std::min<int64_t>(max_blocks, block_end - nb));
-    const uint8_t* p = packed + nb * K * 8;
+    const uint8_t* p = packed + nb * K * 2 * BITS;
     const uint16_t* sc = scales + nb * num_groups * kCols;
-    const uint16_t* mn = mins + nb * num_groups * kCols;
+    const uint16_t* mn = BITS == 4 ? mins + nb * num_groups * kCols : nullptr;
     const int64_t col = nb * kCols;
     const int64_t width = std::min<int64_t>(blocks * kCols, N - col);
     const int64_t ldo = blocks * kCols;
@@ -213,21 +240,41 @@ static void int4_columns(const int8_t* xq, const float* xd, const float* xs, int
       const int8_t* q = xq + r0 * K;
       const float* d = xd + r0 * runs;
       const float* s = xs + r0 * runs;
+#define SF_ROWS(R) \
+  tile_rows<BITS, R>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo)
       switch (rows) {
 #if SF_ROW_TILE > 3
-        case 4: tile_rows<4>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo); break;
-        case 3: tile_rows<3>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo); break;
+        case 4: SF_ROWS(4); break;
+        case 3: SF_ROWS(3); break;
 #endif
-        case 2: tile_rows<2>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo); break;
-        default: tile_rows<1>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo); break;
+        case 2: SF_ROWS(2); break;
+        default: SF_ROWS(1); break;
       }
+#undef SF_ROWS
       for (int r = 0; r < rows; ++r)
         std::copy(tile_out + r * ldo, tile_out + r * ldo + width, out + (r0 + r) * N + col);
     }
   }
 }
 
+static void int4_columns(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K,
+                         int64_t N, const uint8_t* packed, const uint16_t* scales,
+                         const uint16_t* mins, int64_t group_size, int64_t block_begin,
+                         int64_t block_end, float* tile_out, float* out) {
+  columns<4>(xq, xd, xs, M, K, N, packed, scales, mins, group_size, block_begin, block_end,
+             tile_out, out);
+}
+
+static void int8_columns(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K,
+                         int64_t N, const uint8_t* packed, const uint16_t* scales,
+                         int64_t group_size, int64_t block_begin, int64_t block_end,
+                         float* tile_out, float* out) {
+  columns<8>(xq, xd, xs, M, K, N, packed, scales, nullptr, group_size, block_begin, block_end,
+             tile_out, out);
+}
+
 #undef SF_LANES
 #undef SF_ROW_TILE
 #undef SF_COL_BLOCKS
 #undef SF_ONE_ROW_BLOCKS
+#undef SF_BYTE_DOT

@@ -15,7 +15,6 @@
 #include <immintrin.h>
 
 #include "float16_bits.h"
-#include "quant_linear.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -230,6 +229,32 @@ std::string instruction_set() {
   return "sse2";
 }
 
+// Whether M bfloat16 rows multiply as bfloat16 (VDPBF16PS) rather than widened to float32.
+bool bf16_rows(int64_t M) { return M > 1 && bf16_dot; }
+
+// Output columns [col_begin, col_end) of out [M, N] (col_begin a multiple of 4, the tiles):
+// x_float holds x's values as float32 (null where bf16_rows), x_bf16 the bits of bfloat16 x.
+void quant_linear_range(const float* x_float, const uint16_t* x_bf16, int64_t M, int64_t K,
+                        int64_t N, const int8_t* qweight, const uint16_t* scales,
+                        int64_t group_size, int64_t col_begin, int64_t col_end, float* out) {
+  if (col_begin >= col_end) return;
+  const int64_t num_groups = K / group_size;
+  if (x_bf16 != nullptr && bf16_rows(M)) {  // bfloat16 rows: VDPBF16PS
+    std::vector<float> buffer(K + num_groups);
+    // uninitialized: every element is written before it is read (a zeroed vector cleared up to
+    // 768 KB a call, ~2% of a 32-row step's products)
+    // (new T[n], not C++20's make_unique_for_overwrite: torch before 2.13 builds as C++17)
+    const std::unique_ptr<uint16_t[]> weights(new uint16_t[splitfuse_avx512_bf16::kChunk * K]);
+    splitfuse_avx512_bf16::quant_linear_columns(x_bf16, M, K, N, qweight, scales, group_size,
+                                                col_begin, col_end, buffer.data(), weights.get(),
+                                                out);
+    return;
+  }
+  std::vector<float> buffer(4 * (K + num_groups));
+  columns_fn(x_float, M, K, N, qweight, scales, group_size, col_begin, col_end, buffer.data(),
+             out);
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
@@ -255,7 +280,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       x.scalar_type() == at::kBFloat16
           ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
           : nullptr;
-  const bool as_bf16 = x_bf16 != nullptr && splitfuse_quant::bf16_rows(M);
+  const bool as_bf16 = x_bf16 != nullptr && bf16_rows(M);
   const at::Tensor x_float = as_bf16 ? at::Tensor() : x.to(at::kFloat).contiguous();
   const float* x_float_ptr = x_float.defined() ? x_float.data_ptr<float>() : nullptr;
   const int8_t* q_ptr = qweight.data_ptr<int8_t>();
@@ -265,7 +290,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t num_tiles = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
   at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-    splitfuse_quant::quant_linear_range(x_float_ptr, x_bf16, M, K, N, q_ptr, s_ptr, group_size,
+    quant_linear_range(x_float_ptr, x_bf16, M, K, N, q_ptr, s_ptr, group_size,
                                         begin * 4, std::min(end * 4, N), out_ptr);
   });
   return out;
@@ -273,32 +298,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 }  // namespace
 
-namespace splitfuse_quant {
-
-bool bf16_rows(int64_t M) { return M > 1 && bf16_dot; }
-
-void quant_linear_range(const float* x_float, const uint16_t* x_bf16, int64_t M, int64_t K,
-                        int64_t N, const int8_t* qweight, const uint16_t* scales,
-                        int64_t group_size, int64_t col_begin, int64_t col_end, float* out) {
-  if (col_begin >= col_end) return;
-  const int64_t num_groups = K / group_size;
-  if (x_bf16 != nullptr && bf16_rows(M)) {  // bfloat16 rows: VDPBF16PS
-    std::vector<float> buffer(K + num_groups);
-    // uninitialized: every element is written before it is read (a zeroed vector cleared up to
-    // 768 KB a call, ~2% of a 32-row step's products)
-    // (new T[n], not C++20's make_unique_for_overwrite: torch before 2.13 builds as C++17)
-    const std::unique_ptr<uint16_t[]> weights(new uint16_t[splitfuse_avx512_bf16::kChunk * K]);
-    splitfuse_avx512_bf16::quant_linear_columns(x_bf16, M, K, N, qweight, scales, group_size,
-                                                col_begin, col_end, buffer.data(), weights.get(),
-                                                out);
-    return;
-  }
-  std::vector<float> buffer(4 * (K + num_groups));
-  columns_fn(x_float, M, K, N, qweight, scales, group_size, col_begin, col_end, buffer.data(),
-             out);
-}
-
-}  // namespace splitfuse_quant
 
 TORCH_LIBRARY(splitfuse_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor");

@@ -1,10 +1,10 @@
-// The body of the 8-bit weight-only quantized product, compiled once per instruction set: the including
-// file wraps it in `#pragma GCC target` and a namespace of its own, and defines SF_LANES (floats
-// per vector), SF_ROW_TILE (rows of x per micro-kernel call), the vector types vfloat and vint
-// (SF_LANES floats / int32s), lane_sum (the sum of a vfloat's lanes), halves_to_floats (n
-// float16s as floats) and load_s8 (SF_LANES bytes widened to a vint: a plain vector conversion
-// of bytes compiles to scalar code). The rest is GCC vector extensions, so one source
-// becomes AVX-512, AVX2 or SSE2 code.
+// The body of the 8-bit weight-only quantized product, compiled once per instruction set: the
+// including file wraps it in `#pragma GCC target` and a namespace of its own, and defines SF_LANES
+// (floats per vector), SF_ROW_TILE (rows of x per micro-kernel call), the vector types vfloat and
+// vint (SF_LANES floats / int32s), lane_sum (the sum of a vfloat's lanes), halves_to_floats (n
+// float16s as floats) and load_s8 (SF_LANES bytes widened to a vint: a plain vector conversion of
+// bytes compiles to scalar code). The rest is GCC vector extensions, so one source becomes AVX-512,
+// AVX2 or SSE2 code.
 
 static inline vfloat load(const float* p) {
   vfloat v;

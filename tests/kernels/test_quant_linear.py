@@ -10,11 +10,13 @@ of the largest output.
 rounds it the same way (``int4_linear_reference``) the error is float32 rounding again (1e-5).
 Against ``F.linear`` on x itself, each x value is off by at most half its run's step d, so an
 output is off by at most sum_k |w[n, k]| d[m, run(k)] / 2 (plus the float32 rounding): the bound
-the products are held to.
+the products are held to. 8 bits packed as ``PackedInt8`` (``int8_linear``, a 4-bit model's LM
+head) round x the same way and are held to the same bounds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from engine.device import cpu_flags
 from engine.gguf_quantized import decode_blocks
 from engine.quantization import (
     PackedInt4,
+    PackedInt8,
     QuantizedTensor,
     dequantize_groups,
     int4_linear_reference,
@@ -78,8 +81,18 @@ def test_a_quantized_tensor_is_sharded_by_rows_and_by_whole_groups_of_columns():
     assert torch.equal(holder.dequantize()[4:8], full[0:4])
 
 
-def product(x: torch.Tensor, quantized: QuantizedTensor) -> torch.Tensor:
-    """The C++ product the engine runs for this weight."""
+def product(x: torch.Tensor, quantized: QuantizedTensor, packed8: bool = False) -> torch.Tensor:
+    """The C++ product the engine runs for this weight (``packed8``: an 8-bit weight packed as
+    a 4-bit model's LM head)."""
+    if packed8:
+        packed8_weight = PackedInt8.pack(quantized)
+        return torch.ops.splitfuse_cpu.int8_linear(
+            x,
+            packed8_weight.packed,
+            packed8_weight.scales,
+            packed8_weight.out_features,
+            packed8_weight.group_size,
+        )
     if quantized.bits == 8:
         return torch.ops.splitfuse_cpu.quant_linear(
             x, quantized.qweight, quantized.scales, quantized.group_size
@@ -91,7 +104,9 @@ def product(x: torch.Tensor, quantized: QuantizedTensor) -> torch.Tensor:
 
 
 def assert_int4_product(got: torch.Tensor, x: torch.Tensor, quantized: QuantizedTensor) -> None:
-    want = int4_linear_reference(x, PackedInt4.pack(quantized)).double()
+    """``int4_linear``'s (or ``int8_linear``'s) result against its reference and against x."""
+    packed = (PackedInt4 if quantized.bits == 4 else PackedInt8).pack(quantized)
+    want = int4_linear_reference(x, packed).double()
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     # against x itself: each value off by at most half its run's step
     _, step = quantize_activations(x)
@@ -117,6 +132,54 @@ def test_the_product_equals_linear_on_the_dequantized_weight(bits, group_size, n
         return
     want = F.linear(x.double(), quantized.dequantize().double())
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 96, None])
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 64, 300])
+def test_8bit_weights_packed_for_dot_products_multiply_rows_rounded_to_int8(group_size, num_rows):
+    """``int8_linear``: float32 and bfloat16 rows (their float32 values, exact), large x too,
+    groups of one to three runs and one per output channel; 45 outputs: a last block of 13."""
+    load()
+    torch.manual_seed(num_rows + (group_size or 0))
+    num_in = 192
+    quantized = quantize(torch.randn(45, num_in) * 0.1, 8, group_size or num_in)
+    for scale in (1.0, 1e3):
+        x = torch.randn(num_rows, num_in) * scale
+        for rows in (x, x.bfloat16()):
+            got = product(rows, quantized, packed8=True)
+            assert got.dtype == torch.float32 and got.shape == (num_rows, 45)
+            assert_int4_product(got, rows.float(), quantized)
+
+
+def test_a_row_of_the_packed_8bit_product_does_not_depend_on_the_others():
+    """The same row alone, among 7 and among 300 gives the same bits (the column blocks' sums
+    run in one order whatever the row count)."""
+    load()
+    quantized = quantize(torch.randn(70, 128), 8, 32)
+    x = torch.randn(300, 128)
+    alone = product(x[5:6], quantized, packed8=True)
+    assert torch.equal(product(x[:7], quantized, packed8=True)[5:6], alone)
+    assert torch.equal(product(x, quantized, packed8=True)[5:6], alone)
+
+
+def test_packing_8bit_weights_for_dot_products_keeps_their_numbers():
+    for num_rows, num_cols, group_size in [(45, 256, 32), (16, 64, 64), (3, 96, 96)]:
+        quantized = quantize(torch.randn(num_rows, num_cols), 8, group_size)
+        packed = PackedInt8.pack(quantized)
+        blocks = -(-num_rows // 16)
+        assert packed.packed.shape == (blocks, num_cols * 16)
+        assert packed.scales.shape == (blocks, num_cols // group_size, 16)
+        assert packed.shape == quantized.shape
+        back = packed.unpack()
+        assert torch.equal(back.qweight, quantized.qweight)
+        assert torch.equal(back.scales, quantized.scales)
+        ids = torch.tensor([0, num_rows - 1, num_rows // 2, 0])
+        assert torch.equal(packed.dequantize_rows(ids), quantized.dequantize_rows(ids))
+    # step s, column c: values 4 s + 0..3, each as q + 128
+    q = (torch.arange(16)[:, None] * 3 - torch.arange(32)[None, :] * 5).clamp(-127, 127)
+    quantized = QuantizedTensor(q.to(torch.int8), torch.ones(16, 1).half(), None, 8, 32)
+    step = PackedInt8.pack(quantized).packed[0, 128:192].reshape(16, 4)  # step 2
+    assert torch.equal(step.long(), q[:, 8:12] + 128)
 
 
 @pytest.mark.parametrize("num_rows", [1, 7, 64])
@@ -210,13 +273,20 @@ def test_the_products_refuse_what_they_cannot_read():
         torch.ops.splitfuse_cpu.int4_linear(x, *args, 17, 32)  # two blocks' worth of columns
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.splitfuse_cpu.int4_linear(x.double(), *args, 8, 32)
+    packed8 = PackedInt8.pack(quantized)
+    with pytest.raises(RuntimeError, match="packed must be"):  # a 4-bit weight's bytes
+        torch.ops.splitfuse_cpu.int8_linear(x, packed.packed, packed8.scales, 8, 32)
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.splitfuse_cpu.int8_linear(x, packed8.packed, packed.scales[:, :1], 8, 32)
+    with pytest.raises(RuntimeError, match="group_size"):
+        torch.ops.splitfuse_cpu.int8_linear(x, packed8.packed, packed8.scales, 8, 48)
 
 
 _NARROWER_CHECK = """
 import torch, torch.nn.functional as F
 from engine.quantization import quantize
 from kernels.cpu_ops import load
-from tests.kernels.test_quant_linear import assert_int4_product, product
+from tests.kernels.test_quant_linear import assert_int4_product, integer_dot_digest, product
 kind = load()
 for bits, size in [(4, 32), (4, 64), (8, 64), (8, 128)]:
     for rows in (1, 3, 7, 64):
@@ -226,16 +296,31 @@ for bits, size in [(4, 32), (4, 64), (8, 64), (8, 128)]:
         if bits == 4:
             assert_int4_product(got, x, q)
             continue
+        assert_int4_product(product(x, q, packed8=True), x, q)
         want = F.linear(x.double(), q.dequantize().double())
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (bits, size, rows)
-print(kind, torch.ops.splitfuse_cpu.int4_instruction_set())
+print(kind, torch.ops.splitfuse_cpu.int4_instruction_set(), integer_dot_digest())
 """
+
+
+def integer_dot_digest() -> str:
+    """A digest of ``int4_linear``'s and ``int8_linear``'s outputs on fixed inputs: their int32
+    sums are exact and the float arithmetic after them the same, so every instruction set with
+    FMA gives the same bits."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 192, generator=generator)
+    outputs = []
+    for bits in (4, 8):
+        quantized = quantize(torch.randn(45, 192, generator=generator), bits, 64)
+        for rows in (1, 2, 5, 37):
+            outputs.append(product(x[:rows], quantized, packed8=bits == 8))
+    return hashlib.sha256(torch.cat([o.flatten() for o in outputs]).numpy().tobytes()).hexdigest()
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "sse2"])
 def test_the_narrower_instruction_sets_compute_the_same(isa):
-    """SPLITFUSE_CPU_ISA=avx512 leaves VNNI out of the 4-bit product (the 8-bit one runs as
-    without the variable)."""
+    """SPLITFUSE_CPU_ISA=avx512 leaves VNNI out of the 4-bit product and the packed 8-bit one
+    (``quant_linear`` runs as without the variable)."""
     if load() == "torch":
         pytest.skip("the C++ product is not built here")
     if isa not in cpu_flags() and not (isa == "avx512" and "avx512bw" in cpu_flags()):
@@ -245,8 +330,10 @@ def test_the_narrower_instruction_sets_compute_the_same(isa):
         [sys.executable, "-c", _NARROWER_CHECK], env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    kind, int4_kind = result.stdout.split()
+    kind, int4_kind, digest = result.stdout.split()
     assert int4_kind == isa
+    if isa != "sse2":  # (SSE2 has no FMA: its multiply-adds after the sums round twice)
+        assert digest == integer_dot_digest()
     if isa != "avx512":
         assert kind == isa
 

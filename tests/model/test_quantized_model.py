@@ -4,8 +4,9 @@
    head int8: ragged logits against transformers running the *dequantized* weights. int8: within
    the float32 parity bound (1e-4); the engine multiplies by exactly those numbers, so only the
    order of the float32 sums differs. int4 products also round their input to int8 in runs of 32
-   (``quantize_activations``), which the reference then does too, before each linear layer: the
-   engine matches it to ~4e-7 relative RMS. Float32 differences of ~1e-7 can still move a value
+   (``quantize_activations``), and so does the 8-bit LM head of an int4 model (``PackedInt8``),
+   which the reference then does too, before each linear layer and the head: the engine matches
+   it to ~4e-7 relative RMS. Float32 differences of ~1e-7 can still move a value
    across a rounding boundary (of the 27,648 values rounded here, the nearest lies 2e-5 steps
    from one), and one such flip moves these logits by up to 8e-3 relative RMS (measured by forcing
    one in each product): bound 1e-2, a wrong layout or scale gives 10% and more. The rounding of
@@ -112,6 +113,8 @@ def dequantized_reference(
                 weight.copy_(quantize(weight, bits, size).dequantize())
         embedding = model.get_input_embeddings().weight
         embedding.copy_(quantize(embedding, 8, 32).dequantize())
+        if round_inputs:  # a 4-bit model's 8-bit LM head rounds its input alike (PackedInt8)
+            model.get_output_embeddings().register_forward_pre_hook(_round_inputs)
         if not model.config.tie_word_embeddings:
             head = model.get_output_embeddings().weight
             head.copy_(quantize(head, 8, 32).dequantize())
@@ -184,6 +187,13 @@ def test_the_default_model_in_int4_runs_the_numbers_of_its_gguf_file(default_mod
                 loader(holders[path], handle.get_tensor(name), shard_id)
     for path, module in layers.items():
         assert torch.equal(module.quantized.dequantize(), holders[path]), path
+    # the tied Q8_0 table: one copy, packed for the head's integer dot products, its numbers
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert embedding.int8_out_features == head.int8_out_features == 49152
+    assert head.qweight.data_ptr() == embedding.qweight.data_ptr()
+    with safe_open(str(default_model_dir / "model.safetensors"), "pt") as handle:
+        table = handle.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(head.quantized.dequantize(), table)
     rng = random.Random(2)
     sequences = {name: [rng.randrange(49152) for _ in range(n)] for name, n in LENGTHS.items()}
     got = ragged_logits(quantized, sequences)
