@@ -16,6 +16,8 @@ install`` builds them, later imports load the cached library):
   compiler, oneDNN runs every product: ``has_blocked_linear``);
 - ``splitfuse_cpu.GraphCall``, a class that calls a graph compiled under inductor's C++ wrapper
   through its entry point, holding the arguments that never change (``engine/step_graphs.py``);
+- ``splitfuse_cpu::greedy_argmax``, torch's argmax of float32 rows in one vectorized call
+  (greedy sampling, ``engine/sampler.py``; without a compiler the sampler calls torch's);
 - ``splitfuse_cpu.DecodeStack``, a class that runs a decode step of a Llama stack with 4-bit or
   blocked bfloat16 weights, every layer in one parallel region, with the kernels of the
   operators above (``engine/decode_stack.py``).
@@ -78,6 +80,7 @@ def _build() -> str:
             str(_SOURCE_DIR / "int4_linear.cpp"),
             str(_SOURCE_DIR / "graph_call.cpp"),
             str(_SOURCE_DIR / "decode_stack.cpp"),
+            str(_SOURCE_DIR / "greedy_argmax.cpp"),
         ],
         extra_include_paths=[str(_SOURCE_DIR)],
         extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"],
@@ -168,6 +171,10 @@ def load() -> str:
             @torch.library.register_fake("splitfuse_cpu::store_and_attend_step")
             def _fake_store_and_attend_step(query, key, value, kv_cache, layer, *args):  # type: ignore[no-untyped-def]
                 return query.new_empty(query.shape)
+
+            @torch.library.register_fake("splitfuse_cpu::greedy_argmax")
+            def _fake_greedy_argmax(logits):  # type: ignore[no-untyped-def]
+                return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
             @torch.library.register_fake("splitfuse_cpu::blocked_linear")
             def _fake_blocked_linear(x, weight, bias):  # type: ignore[no-untyped-def]

@@ -549,12 +549,13 @@ def test_empty_call_returns_nothing() -> None:
 
 
 def test_greedy_argmax_is_torchs_argmax():
-    """The chunked argmax gives torch's indices: ties (across chunks and within one) to the first,
-    NaN as the largest, rows of -inf, every row count; other shapes fall back to argmax."""
-    from engine.sampler import ARGMAX_CHUNK, greedy_argmax
+    """The C++ argmax gives torch's indices: ties (across vectors and within one) to the first,
+    NaN as the largest, rows of -inf, every row count, rows shorter than a vector and not a
+    whole number of them, a strided view."""
+    from engine.sampler import greedy_argmax
 
     torch.manual_seed(0)
-    vocab = 8 * ARGMAX_CHUNK
+    vocab = 8 * 1024
     logits = torch.randn(12, vocab)
     logits[1, [5, 3000, 7000]] = 50.0  # a tie across chunks
     logits[2, [2050, 2051]] = 50.0  # a tie inside one
@@ -567,4 +568,7 @@ def test_greedy_argmax_is_torchs_argmax():
     for rows in (logits, logits[:1], logits[5:9]):
         assert torch.equal(greedy_argmax(rows), rows.argmax(dim=-1))
     odd = torch.randn(3, vocab + 7)
-    assert torch.equal(greedy_argmax(odd), odd.argmax(dim=-1))
+    odd[1, vocab + 5] = 80.0  # in the scalar tail
+    odd[2, [vocab + 6, 17]] = float("nan")
+    for rows in (odd, odd[:, :9], odd[:, 3:], torch.full((2, 5), float("-inf"))):
+        assert torch.equal(greedy_argmax(rows), rows.argmax(dim=-1))
