@@ -52,7 +52,6 @@ class DecodeStack:
         self.call = call  # torch.classes.splitfuse_cpu.DecodeStack
         self.max_tokens = max_tokens
         self.holds_head = holds_head  # the call looks tokens up and returns logits
-        self._rows = torch.arange(max_tokens)
 
     @classmethod
     def build(
@@ -134,7 +133,9 @@ class DecodeStack:
         )
         if self.holds_head:
             logits = self.call.logits(input_ids, *step)
-            if torch.equal(sample_rows, self._rows[:num_tokens]):
+            # a decode step's sampled rows are distinct and ascending: as many as its tokens is
+            # every row (no tensor compared: each operator call counts after the weights' stream)
+            if sample_rows.shape[0] == num_tokens:
                 return logits
             return logits.index_select(0, sample_rows)
         hidden = self.model.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
