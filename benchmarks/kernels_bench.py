@@ -2,6 +2,7 @@
 
     python benchmarks/kernels_bench.py        # CUDA: Triton backend vs the device's copy bandwidth
     python benchmarks/kernels_bench.py --cpu  # the torch backend on this CPU (the CPU serving path)
+                                              # and the 8-bit LM head's two products
 
 On a machine without a CUDA device the first form says so and exits 0. Each op is timed as a layer
 runs it: over a step plan made once (``backend.plan``), whose cost is printed apart on the CPU.
@@ -190,6 +191,45 @@ def bench_cpu() -> None:
                 line += f"  | {name}: {variant_median * 1e3:.2f} (min {variant_min * 1e3:.2f})"
             print(line, flush=True)
     bench_cpu_small_ops(backend)
+    bench_cpu_lm_head()
+
+
+def bench_cpu_lm_head() -> None:
+    """The default model's 8-bit LM head (49152 x 576, groups of 32) for 1, 8 and 32 bfloat16
+    rows: ``quant_linear`` (an int8 model's: 16-bit rows) against ``int8_linear`` (an int4
+    model's: rows rounded to int8, ``PackedInt8``), taken alternately, medians of 3 rounds."""
+    from engine.quantization import PackedInt8, quantize
+    from kernels.cpu_ops import load
+
+    if load() == "torch":
+        print("LM head: the C++ operators are not built here")
+        return
+    torch.manual_seed(0)
+    num_out, num_in = 49152, 576
+    quantized = quantize(torch.randn(num_out, num_in) * 0.05, 8, 32)
+    packed = PackedInt8.pack(quantized)
+    ops = torch.ops.splitfuse_cpu
+    print(
+        f"LM head {num_out} x {num_in}, 8 bits ({load()}; int8_linear {ops.int4_instruction_set()})"
+    )
+    for num_rows in (1, 8, 32):
+        x = torch.randn(num_rows, num_in).bfloat16()
+        candidates = {
+            "quant_linear": lambda x=x: ops.quant_linear(
+                x, quantized.qweight, quantized.scales, 32
+            ),
+            "int8_linear": lambda x=x: ops.int8_linear(
+                x, packed.packed, packed.scales, num_out, 32
+            ),
+        }
+        medians: dict[str, list[float]] = {name: [] for name in candidates}
+        for _ in range(3):
+            for name, fn in candidates.items():
+                medians[name].append(time_cpu(fn, repeats=10)[0])
+        line = "  ".join(
+            f"{name} {statistics.median(t) * 1e3:6.2f} ms" for name, t in medians.items()
+        )
+        print(f"  {num_rows:2} rows: {line}", flush=True)
 
 
 def bench_cpu_small_ops(backend) -> None:
