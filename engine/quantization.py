@@ -320,7 +320,7 @@ class PackedInt8:
             raise ValueError(f"an 8-bit weight of {num_cols} columns: not a multiple of 4")
         blocks = -(-num_rows // BLOCK_COLS)
         pad = blocks * BLOCK_COLS - num_rows
-        values = F.pad(quantized.qweight, (0, 0, 0, pad))  # [N', K] int8, zero columns after N
+        values = F.pad(quantized.qweight, (0, 0, 0, pad))  # [N', K] int8: zero rows past N
         steps = values.reshape(blocks, BLOCK_COLS, num_cols // 4, 4).transpose(1, 2)
         packed = (steps.to(torch.int16) + 128).to(torch.uint8).reshape(blocks, num_cols * 16)
         scales = F.pad(quantized.scales, (0, 0, 0, pad))
@@ -347,7 +347,7 @@ class PackedInt8:
         """Rows ``rows`` [R] (int64) of the weight as float32 [R, K]: an embedding's lookup."""
         block, column = rows // BLOCK_COLS, rows % BLOCK_COLS
         values = self._values()[block, :, column]  # [R, K / 4, 4]
-        q = values.reshape(rows.shape[0], -1).to(torch.float32) - 128
+        q = values.reshape(rows.shape[0], self.shape[1]).to(torch.float32) - 128
         scales = self.scales[block, :, column].float()  # [R, K / group_size]
         return q * scales.repeat_interleave(self.group_size, dim=1)
 
@@ -395,8 +395,8 @@ def quantize_model(
     head by 8-bit ones in groups of 32 (on a CPU with 4 bits, packed as ``PackedInt8``). A weight
     that ``stored`` (checkpoint name -> quantized tensor, e.g. a GGUF file's blocks) holds in that
     layout is taken from it, sharded like the float one; the others are quantized from the float
-    weights. Returns counts: ``stored``,
-    ``quantized``, ``kept`` (left in float: no group size fits them) and ``bytes``."""
+    weights. Returns counts: ``stored``, ``quantized``, ``kept`` (left in float: no group size
+    fits them) and ``bytes``."""
     from engine.layers import (
         MatmulLayer,
         ParallelLMHead,

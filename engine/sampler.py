@@ -20,6 +20,7 @@ tokens on a CPU when they hold top_p, else a sort. Logprobs are of the raw logit
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -78,15 +79,11 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 NATIVE_ARGMAX_MAX = 1 << 20  # the longest rows the C++ argmax takes
 
 
-_native: list[bool] = []  # whether the C++ argmax is there, once asked (a step's cold path)
-
-
+@functools.cache  # (asked once: a step's Python after the weights' stream runs on cold caches)
 def _native_argmax() -> bool:
-    if not _native:
-        from kernels.cpu_ops import load
+    from kernels.cpu_ops import load
 
-        _native.append(load() != "torch")
-    return _native[0]
+    return load() != "torch"
 
 
 def validate_token_ids(data: NewRequestData, vocab_size: int) -> None:

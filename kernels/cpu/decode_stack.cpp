@@ -26,15 +26,14 @@
 //   x      = round(product(act))
 //
 // and the final norm after the last layer. Where the stack holds the 8-bit embedding and LM head
-// (`logits`; packed as int8_linear reads them), it starts from the token ids (the embedding's
-// rows dequantized and rounded as the model does) and ends with the LM head: every thread the
-// final norm and its rounding to int8, then its share of the vocabulary's column blocks through
-// int8_linear's kernel (int4_linear.h), each logit rounded to the activations' dtype as the
-// model's head rounds it. The products and attention are the
-// operators' own kernels on the same inputs, so they give the same bits as the operators; the
-// norms, rotary and SiLU are written here, in float32 as the model computes them, and may differ
-// from PyTorch's in the last bit of a float32 before rounding (a sum's order, an exp's
-// polynomial).
+// (`logits`; packed as int8_linear reads them), it starts from the token ids (the embedding's rows
+// dequantized and rounded as the model does) and ends with the LM head: every thread the final norm
+// and its rounding to int8, then its share of the vocabulary's column blocks through int8_linear's
+// kernel (int4_linear.h), each logit rounded to the activations' dtype as the model's head rounds
+// it. The products and attention are the operators' own kernels on the same inputs, so they give
+// the same bits as the operators; the norms, rotary and SiLU are written here, in float32 as the
+// model computes them, and may differ from PyTorch's in the last bit of a float32 before rounding
+// (a sum's order, an exp's polynomial).
 //
 // Every input is checked before the cache is written; a bad one raises and changes nothing.
 
@@ -393,10 +392,11 @@ struct DecodeStack : torch::CustomClassHolder {
         const int64_t block = ids[t] / kCols, c = ids[t] % kCols;
         const uint8_t* values = packed + block * H * kCols + c * 4;
         const uint16_t* row_scales = scales + block * groups * kCols + c;
-        for (int64_t k = 0; k < H; ++k)
-          x[t * H + k] = to_act(static_cast<float>(static_cast<int>(values[k / 4 * 64 + k % 4]) -
-                                                   128) *
+        for (int64_t k = 0; k < H; ++k) {
+          const int value = static_cast<int>(values[k / 4 * 64 + k % 4]) - 128;
+          x[t * H + k] = to_act(static_cast<float>(value) *
                                 half_to_float(row_scales[k / head_group * kCols]));
+        }
       }
     } else {
       const at::Tensor hidden_f = tokens.to(at::kFloat).contiguous();

@@ -290,8 +290,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t num_tiles = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
   at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-    quant_linear_range(x_float_ptr, x_bf16, M, K, N, q_ptr, s_ptr, group_size,
-                                        begin * 4, std::min(end * 4, N), out_ptr);
+    quant_linear_range(x_float_ptr, x_bf16, M, K, N, q_ptr, s_ptr, group_size, begin * 4,
+                       std::min(end * 4, N), out_ptr);
   });
   return out;
 }
