@@ -207,6 +207,8 @@ static void tile_rows(int blocks, const int8_t* xq, const float* xd, const float
   switch (blocks) {
 #if SF_COL_BLOCKS > 3 || SF_ONE_ROW_BLOCKS > 3
     case 4: SF_TILE(4); break;
+#endif
+#if SF_COL_BLOCKS > 2 || SF_ONE_ROW_BLOCKS > 2
     case 3: SF_TILE(3); break;
 #endif
     case 2: SF_TILE(2); break;
