@@ -200,23 +200,19 @@ class MatmulLayer(QuantizableWeight):
                     self.quant_bits,
                     self.quant_group_size,
                 )
-            elif self.int4_out_features:  # x in int8 runs times the 4-bit values: int32 sums
-                out = torch.ops.splitfuse_cpu.int4_linear(
-                    x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous(),
-                    self.qweight,
-                    self.qscales,
-                    self.qmins,
-                    self.int4_out_features,
-                    self.quant_group_size,
-                ).to(x.dtype)
-            elif self.int8_out_features:  # x in int8 runs times the 8-bit values: int32 sums
-                out = torch.ops.splitfuse_cpu.int8_linear(
-                    x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous(),
-                    self.qweight,
-                    self.qscales,
-                    self.int8_out_features,
-                    self.quant_group_size,
-                ).to(x.dtype)
+            elif self.int4_out_features or self.int8_out_features:
+                # x in int8 runs times the packed 4- or 8-bit values: int32 sums
+                rows = x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous()
+                ops, size = torch.ops.splitfuse_cpu, self.quant_group_size
+                if self.int4_out_features:
+                    out = ops.int4_linear(
+                        rows, self.qweight, self.qscales, self.qmins, self.int4_out_features, size
+                    )
+                else:
+                    out = ops.int8_linear(
+                        rows, self.qweight, self.qscales, self.int8_out_features, size
+                    )
+                out = out.to(x.dtype)
             else:  # 8 bits: float32 (or bfloat16) in, float32 out, float32 sums
                 x_in = x if x.dtype == torch.bfloat16 else x.float()
                 out = torch.ops.splitfuse_cpu.quant_linear(

@@ -193,6 +193,22 @@ void check_block_scales(const char* name, const at::Tensor& t, int64_t blocks,
               name, ": scales and mins must be contiguous float16 [ceil(N/16), K/group_size, 16]");
 }
 
+// out [M, N] float32 = x's rows rounded to int8 (RoundedRows) times a packed weight of `blocks`
+// column blocks: columns(rows, block_begin, block_end, tile_out, out) multiplies a range of
+// them, the threads sharing the blocks.
+template <typename Columns>
+at::Tensor packed_product(const at::Tensor& x, int64_t N, int64_t blocks, Columns columns) {
+  at::Tensor out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0) return out;
+  const RoundedRows rows(x);
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float tile_out[4 * 64];
+    columns(rows, begin, end, tile_out, out_ptr);
+  });
+  return out;
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t out_features, int64_t group_size) {
   check_rows("int4_linear", x, group_size);
@@ -205,20 +221,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               K * 8, "]");
   check_block_scales("int4_linear", scales, blocks, K / group_size);
   check_block_scales("int4_linear", mins, blocks, K / group_size);
-
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0) return out;
-  const RoundedRows rows(x);
   const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
   const auto* sc_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* mn_ptr = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float tile_out[4 * 64];
+  return packed_product(x, N, blocks, [&](const RoundedRows& rows, int64_t begin, int64_t end,
+                                          float* tile_out, float* out) {
     kernels.columns(rows.q, rows.d, rows.s, M, K, N, w_ptr, sc_ptr, mn_ptr, group_size, begin,
-                    end, tile_out, out_ptr);
+                    end, tile_out, out);
   });
-  return out;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -232,19 +242,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "int8_linear: packed must be contiguous uint8 [ceil(N/16), K*16] = [", blocks, ", ",
               K * 16, "]");
   check_block_scales("int8_linear", scales, blocks, K / group_size);
-
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0) return out;
-  const RoundedRows rows(x);
   const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
   const auto* sc_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float tile_out[4 * 64];
+  return packed_product(x, N, blocks, [&](const RoundedRows& rows, int64_t begin, int64_t end,
+                                          float* tile_out, float* out) {
     kernels.columns8(rows.q, rows.d, rows.s, M, K, N, w_ptr, sc_ptr, group_size, begin, end,
-                     tile_out, out_ptr);
+                     tile_out, out);
   });
-  return out;
 }
 
 }  // namespace
