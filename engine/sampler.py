@@ -65,6 +65,9 @@ class SamplerOutput:
     dead_ends: dict[int, str] = field(default_factory=dict)
 
 
+NATIVE_ARGMAX_MAX = 1 << 20  # the longest rows the C++ argmax takes
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` for [num_rows, vocab_size], the same indices (the first of
     equal maxima, NaN the largest): on a CPU with the C++ operators built, one call of
@@ -74,9 +77,6 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     if cpu and 0 < logits.shape[-1] <= NATIVE_ARGMAX_MAX and _native_argmax():
         return torch.ops.splitfuse_cpu.greedy_argmax(logits.contiguous())
     return logits.argmax(dim=-1)
-
-
-NATIVE_ARGMAX_MAX = 1 << 20  # the longest rows the C++ argmax takes
 
 
 @functools.cache  # (asked once: a step's Python after the weights' stream runs on cold caches)

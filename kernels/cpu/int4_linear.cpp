@@ -184,6 +184,16 @@ void check_rows(const char* name, const at::Tensor& x, int64_t group_size) {
   TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensors only");
 }
 
+// packed: contiguous uint8 [ceil(N / 16), block_bytes], a row per block of 16 output columns
+void check_packed(const char* name, const at::Tensor& packed, int64_t N, int64_t blocks,
+                  int64_t block_bytes) {
+  TORCH_CHECK(N > 0 && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte && packed.size(0) == blocks &&
+                  packed.size(1) == block_bytes && packed.device().is_cpu(),
+              name, ": packed must be contiguous uint8 [ceil(N/16), ", block_bytes, "] = [",
+              blocks, ", ", block_bytes, "]");
+}
+
 // scales (and mins) [ceil(N / 16), K / group_size, 16] float16
 void check_block_scales(const char* name, const at::Tensor& t, int64_t blocks,
                         int64_t num_groups) {
@@ -214,11 +224,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_rows("int4_linear", x, group_size);
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   const int64_t blocks = (N + 15) / 16;
-  TORCH_CHECK(N > 0 && packed.dim() == 2 && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kByte && packed.size(0) == blocks &&
-                  packed.size(1) == K * 8 && packed.device().is_cpu(),
-              "int4_linear: packed must be contiguous uint8 [ceil(N/16), K*8] = [", blocks, ", ",
-              K * 8, "]");
+  check_packed("int4_linear", packed, N, blocks, K * 8);
   check_block_scales("int4_linear", scales, blocks, K / group_size);
   check_block_scales("int4_linear", mins, blocks, K / group_size);
   const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
@@ -236,11 +242,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_rows("int8_linear", x, group_size);
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   const int64_t blocks = (N + 15) / 16;
-  TORCH_CHECK(N > 0 && packed.dim() == 2 && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kByte && packed.size(0) == blocks &&
-                  packed.size(1) == K * 16 && packed.device().is_cpu(),
-              "int8_linear: packed must be contiguous uint8 [ceil(N/16), K*16] = [", blocks, ", ",
-              K * 16, "]");
+  check_packed("int8_linear", packed, N, blocks, K * 16);
   check_block_scales("int8_linear", scales, blocks, K / group_size);
   const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
   const auto* sc_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());

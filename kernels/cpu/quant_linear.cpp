@@ -229,17 +229,15 @@ std::string instruction_set() {
   return "sse2";
 }
 
-// Whether M bfloat16 rows multiply as bfloat16 (VDPBF16PS) rather than widened to float32.
-bool bf16_rows(int64_t M) { return M > 1 && bf16_dot; }
-
 // Output columns [col_begin, col_end) of out [M, N] (col_begin a multiple of 4, the tiles):
-// x_float holds x's values as float32 (null where bf16_rows), x_bf16 the bits of bfloat16 x.
+// x_bf16, the bits of bfloat16 rows that multiply as bfloat16 (VDPBF16PS), or else x_float,
+// x's values as float32.
 void quant_linear_range(const float* x_float, const uint16_t* x_bf16, int64_t M, int64_t K,
                         int64_t N, const int8_t* qweight, const uint16_t* scales,
                         int64_t group_size, int64_t col_begin, int64_t col_end, float* out) {
   if (col_begin >= col_end) return;
   const int64_t num_groups = K / group_size;
-  if (x_bf16 != nullptr && bf16_rows(M)) {  // bfloat16 rows: VDPBF16PS
+  if (x_bf16 != nullptr) {  // bfloat16 rows: VDPBF16PS
     std::vector<float> buffer(K + num_groups);
     // uninitialized: every element is written before it is read (a zeroed vector cleared up to
     // 768 KB a call, ~2% of a 32-row step's products)
@@ -274,13 +272,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
-  // float32 sums of exact products: x widened to float32 (exact from bfloat16); bfloat16 rows
-  // keep their bits for the VDPBF16PS path (quant_linear_range picks)
+  // float32 sums of exact products: x widened to float32 (exact from bfloat16), or, for more
+  // than one bfloat16 row where the CPU has AVX-512 BF16, its bits multiplied with VDPBF16PS
+  const bool as_bf16 = x.scalar_type() == at::kBFloat16 && M > 1 && bf16_dot;
   const uint16_t* x_bf16 =
-      x.scalar_type() == at::kBFloat16
-          ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
-          : nullptr;
-  const bool as_bf16 = x_bf16 != nullptr && bf16_rows(M);
+      as_bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   const at::Tensor x_float = as_bf16 ? at::Tensor() : x.to(at::kFloat).contiguous();
   const float* x_float_ptr = x_float.defined() ? x_float.data_ptr<float>() : nullptr;
   const int8_t* q_ptr = qweight.data_ptr<int8_t>();
