@@ -40,8 +40,53 @@ static inline int32_t load_word(const int8_t* p) {
   return v;
 }
 
-static inline float as_float(float v) { return v; }
-static inline float as_float(uint16_t v) { return bfloat16_to_float(v); }
+typedef int8_t vchar __attribute__((vector_size(SF_LANES)));           // SF_LANES int8s
+typedef uint16_t vshort __attribute__((vector_size(2 * SF_LANES)));    // SF_LANES uint16s
+typedef uint32_t vuint __attribute__((vector_size(4 * SF_LANES)));     // SF_LANES uint32s
+
+static inline vfloat load_values(const float* p) { return load_floats(p); }
+
+static inline vfloat load_values(const uint16_t* p) {  // bfloat16 bits: exact
+  vshort halves;
+  __builtin_memcpy(&halves, p, sizeof halves);
+  const vuint bits = __builtin_convertvector(halves, vuint) << 16;
+  vfloat v;
+  __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// The largest lane and the sum of the lanes, halving the vector (integers: any order gives the
+// same result)
+#if SF_LANES == 16
+#define SF_FOLD(v, OP)                                                                       \
+  v = OP(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, \
+                                    7));                                                     \
+  v = OP(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10,  \
+                                    11));                                                    \
+  v = OP(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12,  \
+                                    13));                                                    \
+  v = OP(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))
+#elif SF_LANES == 8
+#define SF_FOLD(v, OP)                                                   \
+  v = OP(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));     \
+  v = OP(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));     \
+  v = OP(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6))
+#else
+#define SF_FOLD(v, OP)                                       \
+  v = OP(v, __builtin_shufflevector(v, v, 2, 3, 0, 1));     \
+  v = OP(v, __builtin_shufflevector(v, v, 1, 0, 3, 2))
+#endif
+static inline vint lanes_larger(vint a, vint b) { return a > b ? a : b; }
+static inline vint lanes_added(vint a, vint b) { return a + b; }
+static inline int32_t largest_lane(vint v) {
+  SF_FOLD(v, lanes_larger);
+  return v[0];
+}
+static inline int32_t lane_sum(vint v) {
+  SF_FOLD(v, lanes_added);
+  return v[0];
+}
+#undef SF_FOLD
 
 // Rows [begin, end) of x [M, K] as int8 in runs of 32, the reference's arithmetic
 // (engine/quantization.py, quantize_activations):
@@ -53,19 +98,17 @@ static void quantize_rows(const T* x, int64_t K, int64_t begin, int64_t end, int
   const int64_t runs = K / kRun;
   for (int64_t r = begin; r < end; ++r) {
     for (int64_t run = 0; run < runs; ++run) {
-      alignas(64) float values[kRun];
       const T* in = x + r * K + run * kRun;
-      for (int i = 0; i < kRun; ++i) values[i] = as_float(in[i]);
+      vfloat values[kRunVecs];
       vint magnitude = (vint){};
       for (int j = 0; j < kRunVecs; ++j) {
+        values[j] = load_values(in + j * SF_LANES);
         vint bits;
-        __builtin_memcpy(&bits, values + j * SF_LANES, sizeof bits);
+        __builtin_memcpy(&bits, &values[j], sizeof bits);
         bits &= 0x7fffffff;
         magnitude = bits > magnitude ? bits : magnitude;  // a float's order, as an integer
       }
-      int32_t largest_bits = 0;
-      for (int i = 0; i < SF_LANES; ++i)
-        largest_bits = magnitude[i] > largest_bits ? magnitude[i] : largest_bits;
+      const int32_t largest_bits = largest_lane(magnitude);
       float largest;
       __builtin_memcpy(&largest, &largest_bits, sizeof largest);
       const float scale = largest / 127.0f;
@@ -73,14 +116,13 @@ static void quantize_rows(const T* x, int64_t K, int64_t begin, int64_t end, int
       int8_t* out = q + r * K + run * kRun;
       vint total = (vint){};
       for (int j = 0; j < kRunVecs; ++j) {
-        const vint rounded = round_even(load_floats(values + j * SF_LANES) * inverse);
+        const vint rounded = round_even(values[j] * inverse);  // in -127 .. 127
         total += rounded;
-        for (int i = 0; i < SF_LANES; ++i) out[j * SF_LANES + i] = static_cast<int8_t>(rounded[i]);
+        const vchar narrow = __builtin_convertvector(rounded, vchar);
+        __builtin_memcpy(out + j * SF_LANES, &narrow, sizeof narrow);
       }
-      int32_t sum = 0;
-      for (int i = 0; i < SF_LANES; ++i) sum += total[i];
       d[r * runs + run] = scale;
-      s[r * runs + run] = scale * static_cast<float>(sum);
+      s[r * runs + run] = scale * static_cast<float>(lane_sum(total));
     }
   }
 }
