@@ -105,7 +105,7 @@ def main() -> int:
     ):  # fmt: skip
         pointers = {"q_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp16",
                     "mins_ptr": "*fp16", "out_ptr": f"*{dtype}"}  # fmt: skip
-        step = triton_quant_linear.tiles(num_cols)
+        step = triton_quant_linear.tiles(num_cols, bits)
         compile_kernel(
             triton_quant_linear._quant_linear_kernel,
             {**pointers, "x_ptr": f"*{dtype}"},

@@ -58,14 +58,23 @@ def test_triton_product_equals_linear_on_the_dequantized_weight(dtype, bits, gro
     assert (got.double() - want).abs().max() <= RTOL[dtype] * want.abs().max()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("num_rows,num_in,block_k", [(1, 96, 32), (3, 192, 64), (16, 256, 64)])
+@pytest.mark.parametrize(
+    "bits,num_rows,num_in,block_k",
+    [
+        (4, 1, 96, 32),
+        (4, 3, 192, 64),
+        (4, 16, 256, 64),
+        (8, 1, 96, 32),
+        (8, 3, 192, 64),
+        (8, 16, 256, 128),
+    ],
+)
 def test_every_step_of_k(bits, num_rows, num_in, block_k):
     torch.manual_seed(num_in + bits)
     quantized = quantize(torch.randn(33, num_in), bits, 32)
     x = torch.randn(num_rows, num_in)
     want = F.linear(x.double(), quantized.dequantize().double())
-    assert tiles(num_in) == Tiles(16, 32, block_k)
+    assert tiles(num_in, bits) == Tiles(16, 32, block_k)
     got = product(x, quantized, bits, 32)
     assert (got.double() - want).abs().max() <= RTOL[torch.float32] * want.abs().max()
     other = product(x, quantized, bits, 32, Tiles(16, 16, 32, num_warps=2))  # other tiles
