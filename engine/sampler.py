@@ -436,18 +436,15 @@ class Sampler:
         logprob_rows = [i for i, state in enumerate(states) if state.params.logprobs is not None]
         if not logprob_rows:  # the ids alone
             return SamplerOutput(token_ids=token_ids.tolist(), logprobs=[None] * len(states))
-        parts = [token_ids.to(torch.float64)]
-        max_k = 0
-        if logprob_rows:
-            rows = self._rows(logprob_rows, states)
-            raw_logprobs = torch.log_softmax(logits[rows], dim=-1)  # [L, vocab_size]
-            sampled = raw_logprobs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)  # [L]
-            parts.append(sampled.to(torch.float64))
-            max_k = min(self.vocab_size, max(states[i].params.logprobs or 0 for i in logprob_rows))
-            if max_k > 0:
-                top_logprobs, top_ids = raw_logprobs.topk(max_k, dim=-1)  # [L, max_k] each
-                parts.append(top_logprobs.flatten().to(torch.float64))
-                parts.append(top_ids.flatten().to(torch.float64))
+        rows = self._rows(logprob_rows, states)
+        raw_logprobs = torch.log_softmax(logits[rows], dim=-1)  # [L, vocab_size]
+        sampled = raw_logprobs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1)  # [L]
+        parts = [token_ids.to(torch.float64), sampled.to(torch.float64)]
+        max_k = min(self.vocab_size, max(states[i].params.logprobs or 0 for i in logprob_rows))
+        if max_k > 0:
+            top_logprobs, top_ids = raw_logprobs.topk(max_k, dim=-1)  # [L, max_k] each
+            parts.append(top_logprobs.flatten().to(torch.float64))
+            parts.append(top_ids.flatten().to(torch.float64))
         host = torch.cat(parts).tolist()
 
         num_rows, num_logprob_rows = len(states), len(logprob_rows)

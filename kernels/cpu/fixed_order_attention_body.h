@@ -220,7 +220,7 @@ struct Ahead {
   const char* keys = nullptr;  // the caches, in bytes
   const char* values = nullptr;
   const int32_t* table = nullptr;  // the next item's row of the block tables
-  int64_t length = 0, block_size = 0, slot_bytes = 0, row_bytes = 0;  // row: its KV heads
+  int64_t length = 0, block_size = 0, slot_bytes = 0;  // a slot: every KV head's row
   int64_t next = 0, per_call = 0;  // positions u = 0 .. 2 * length - 1: keys, then values
 
   void issue() {
@@ -229,7 +229,7 @@ struct Ahead {
       const int64_t slot =
           static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
       const char* row = (next < length ? keys : values) + slot * slot_bytes;
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+      for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
     }
   }
 };
@@ -339,8 +339,8 @@ static inline Ahead ahead_of(const FixedOrderArgs& a, int64_t k, int64_t end, in
   const Item next = item_at(a, k + 1);
   const int64_t elem = static_cast<int64_t>(sizeof(CacheT));
   return Ahead{static_cast<const char*>(a.key_cache), static_cast<const char*>(a.value_cache),
-               next.table, next.length, a.block_size, a.slot_stride * elem,
-               a.num_kv_heads * a.head_dim * elem, 0, (2 * next.length + calls - 1) / calls};
+               next.table, next.length, a.block_size, a.slot_stride * elem, 0,
+               (2 * next.length + calls - 1) / calls};
 }
 
 // Items [begin, end) of 64-dim heads through attend_heads64

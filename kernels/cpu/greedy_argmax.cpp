@@ -22,6 +22,7 @@ namespace {
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
+constexpr int64_t kChunk = 1024;      // values per chunk whose largest value is kept
 constexpr int64_t kMaxChunks = 1024;  // rows of up to 1M values
 
 inline v16 load16(const float* p) {
@@ -29,8 +30,6 @@ inline v16 load16(const float* p) {
   __builtin_memcpy(&v, p, sizeof v);
   return v;
 }
-
-constexpr int64_t kChunk = 1024;  // values per chunk whose largest value is kept
 
 // Compiled for AVX-512, AVX2 and the baseline, the widest the CPU runs picked at load.
 __attribute__((target_clones("avx512f", "avx2", "default"))) int64_t row_argmax(const float* x,
