@@ -7,13 +7,22 @@ index 0, V at 1). A block of SmolLM2-135M in bfloat16: 30 layers x 2 x 16 x 3 x 
 The cache's memory is committed when it is allocated, at start-up: resident memory holds the whole
 budget from then on, instead of growing towards it for hours as requests reach block after block,
 and a budget that does not fit stops the start instead of a pod meeting its memory limit later.
+
+On a CPU the cache asks for transparent huge pages (2 MiB) before it is committed. A decode step
+reads every running request's context in every layer, blocks that lie anywhere in the cache (32
+streams at context 256: ~6 MB a layer, ~190 MB a step for the default model), and over 4 KiB pages
+it walks the page tables for most of them. See ``_ask_for_huge_pages`` for the figures.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from pathlib import Path
 
 import torch
+
+HUGE_PAGE = 2 * 2**20
 
 
 def bytes_per_block(
@@ -145,8 +154,33 @@ def allocate_kv_cache(
         )
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
     cache = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu":
+        _ask_for_huge_pages(cache)
     cache.zero_()
     return cache
+
+
+def _ask_for_huge_pages(cache: torch.Tensor) -> None:
+    """``madvise(MADV_HUGEPAGE)`` over the 2 MiB pages that lie wholly inside the cache's memory,
+    not yet written (a fresh allocation of this size is mapped on first write): the kernel then
+    backs them with huge pages where its transparent huge pages are "always" or "madvise" (the
+    common default) and it has them to give; where it has not, or they are "never", or this is
+    not Linux, the pages stay 4 KiB and nothing else changes. Measured on an AMD EPYC (2 cores),
+    the default model with int4 weights, 32 streams at context 256 alternating in one process
+    with an engine whose cache has 4 KiB pages: steps 0.953x the time (median of 10 rounds).
+    The commit costs what the kernel needs to find the pages: 6.7 GiB in 1.4 s where it had them
+    free, up to ~9 s where it first had to gather them, against 1.5-1.7 s in 4 KiB pages."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    if advice is None:
+        return
+    begin = -(-cache.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (cache.data_ptr() + cache.numel() * cache.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if end > begin:  # refused (no transparent huge pages in this kernel): 4 KiB pages, as asked
+        madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), advice)
 
 
 def _mib(num_bytes: int) -> str:

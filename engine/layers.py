@@ -133,6 +133,9 @@ class MatmulLayer(QuantizableWeight):
         # in_tiles: the product runs as calls of TILE_ROWS rows (else whole, a single row as two)
         self.deterministic = False
         self.in_tiles = True
+        # True: a CPU quantized product's float32 result is returned as it is, not rounded to
+        # x's dtype (the LM head: the sampler reads float32 logits)
+        self.float32_result = False
 
     def set_deterministic(self, max_rows: int = PROBE_ROWS) -> None:
         """From now on a row's result does not depend on how many rows share the product
@@ -212,12 +215,13 @@ class MatmulLayer(QuantizableWeight):
                     out = ops.int8_linear(
                         rows, self.qweight, self.qscales, self.int8_out_features, size
                     )
-                out = out.to(x.dtype)
             else:  # 8 bits: float32 (or bfloat16) in, float32 out, float32 sums
                 x_in = x if x.dtype == torch.bfloat16 else x.float()
                 out = torch.ops.splitfuse_cpu.quant_linear(
                     x_in.contiguous(), self.qweight, self.qscales, self.quant_group_size
-                ).to(x.dtype)
+                )
+            if not x.is_cuda and not self.float32_result:
+                out = out.to(x.dtype)
             return out if bias is None else out + bias
         if self.packed_weight is None:
             return F.linear(x, self.weight, bias)
@@ -419,9 +423,11 @@ class ParallelLMHead(MatmulLayer):
                 vocab_size, hidden_size, dtype=dtype, parallel=parallel
             )
             self.weight = embedding.weight
+        self.float32_result = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> [num_rows, vocab_size] logits."""
+        """[num_rows, hidden] -> [num_rows, vocab_size] logits (float32 where a CPU quantized
+        product computes them: not rounded to the hidden's dtype and back)."""
         logits = self.parallel.all_gather(self._matmul(hidden))
         return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]
 

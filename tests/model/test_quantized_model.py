@@ -233,3 +233,28 @@ def test_tensor_parallel_quantized_logits_equal_one_process(tmp_path):
         # the all-reduce sums in another order: a value can round to the other int8 (see 1.)
         rms = relative_rms(got[name], want[name])
         assert rms < 1e-2, f"sequence {name}: tp=2 vs tp=1 relative RMS {rms:.2e}"
+
+
+def test_a_bfloat16_model_gets_the_quantized_heads_float32_logits_unrounded(tiny_llama_dir):
+    """The 8-bit LM head of an int4 model sums in float32: its logits reach the sampler as they
+    are, not rounded to bfloat16 (the hidden's dtype) and widened again."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="bfloat16",
+            num_kv_blocks=16,
+            block_size=4,
+            quantization="int4",
+            compile=False,
+        )
+    )
+    head = engine.runner.model.lm_head
+    assert head.int8_out_features, "the LM head of a CPU int4 model is packed for int8_linear"
+    hidden = torch.randn(5, engine.model_config.hidden_size).bfloat16()
+    got = engine.runner.model.compute_logits(hidden, torch.arange(5))
+    want = torch.ops.splitfuse_cpu.int8_linear(
+        hidden, head.qweight, head.qscales, head.int8_out_features, head.quant_group_size
+    )
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want[:, : engine.model_config.vocab_size])
+    assert not torch.equal(got, got.bfloat16().float()), "these logits are not all bfloat16s"

@@ -299,19 +299,23 @@ TestManagerMachine = ManagerMachine.TestCase
 
 
 def resident_bytes_of(tensor: torch.Tensor) -> int:
-    """Resident bytes of the mapping that holds ``tensor``'s memory, from /proc/self/smaps. The
-    process's total would also move with whatever other threads allocate or free meanwhile."""
-    address = tensor.data_ptr()
-    inside = False
+    """Resident bytes of the mappings that hold ``tensor``'s memory, from /proc/self/smaps (the
+    cache's huge-page advice splits its mapping in up to three). The process's total would also
+    move with whatever other threads allocate or free meanwhile."""
+    begin = tensor.data_ptr()
+    end = begin + tensor.numel() * tensor.element_size()
+    resident, inside, found = 0, False, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             first = line.split(maxsplit=1)[0]
             if "-" in first and not first.endswith(":"):
-                start, end = (int(bound, 16) for bound in first.split("-"))
-                inside = start <= address < end
+                start, stop = (int(bound, 16) for bound in first.split("-"))
+                inside = start < end and begin < stop
+                found = found or inside
             elif inside and first == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the tensor")
+                resident += int(line.split()[1]) * 1024
+    assert found, "no mapping holds the tensor"
+    return resident
 
 
 def test_the_kv_cache_is_resident_as_soon_as_it_is_allocated():
