@@ -122,6 +122,10 @@ class MatmulLayer(QuantizableWeight):
     ``engine/packed_linear.py``), or ``set_quantized()`` by a quantized one (CPUs: the operators
     ``splitfuse_cpu::int4_linear`` and ``quant_linear`` of ``kernels/cpu_ops.py``)."""
 
+    # True: a CPU quantized product's float32 result is returned as it is, not rounded to x's
+    # dtype (the LM head: the sampler reads float32 logits)
+    float32_result = False
+
     def __init__(self) -> None:
         super().__init__()
         self.packed_weight: PackedWeight | None = None
@@ -133,9 +137,6 @@ class MatmulLayer(QuantizableWeight):
         # in_tiles: the product runs as calls of TILE_ROWS rows (else whole, a single row as two)
         self.deterministic = False
         self.in_tiles = True
-        # True: a CPU quantized product's float32 result is returned as it is, not rounded to
-        # x's dtype (the LM head: the sampler reads float32 logits)
-        self.float32_result = False
 
     def set_deterministic(self, max_rows: int = PROBE_ROWS) -> None:
         """From now on a row's result does not depend on how many rows share the product
@@ -220,7 +221,7 @@ class MatmulLayer(QuantizableWeight):
                 out = torch.ops.splitfuse_cpu.quant_linear(
                     x_in.contiguous(), self.qweight, self.qscales, self.quant_group_size
                 )
-            if not x.is_cuda and not self.float32_result:
+            if not self.float32_result:  # (Triton's result is in x's dtype already)
                 out = out.to(x.dtype)
             return out if bias is None else out + bias
         if self.packed_weight is None:
@@ -403,6 +404,8 @@ class ParallelLMHead(MatmulLayer):
     """Logits over the vocabulary split across ranks, gathered to every rank. With tied
     embeddings the weight is the embedding's (same split)."""
 
+    float32_result = True
+
     def __init__(
         self,
         vocab_size: int,
@@ -423,7 +426,6 @@ class ParallelLMHead(MatmulLayer):
                 vocab_size, hidden_size, dtype=dtype, parallel=parallel
             )
             self.weight = embedding.weight
-        self.float32_result = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab_size] logits (float32 where a CPU quantized
