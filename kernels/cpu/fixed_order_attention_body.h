@@ -46,10 +46,27 @@ static inline v16 load16(const float* p) {
 
 static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
+// x in every lane: one broadcast (v16{} + x is an addition first: it would turn -0 into +0)
+static inline v16 splat16(float x) {
+  return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+// The row of position p of KV head kv in `cache`, through the block table. Where a block holds
+// a multiple of kBlock positions, kBlock positions from a multiple of kBlock lie in one block,
+// rows slot_stride apart: first_row(p0) + i * slot_stride is position p0 + i's, one division
+// (a 64-bit division took ~10% of an item's time when done per position) for kBlock rows.
+template <typename CacheT>
+static inline const CacheT* row_at(const CacheT* cache, const FixedOrderArgs& a,
+                                   const int32_t* table, int64_t kv, int64_t p) {
+  const int64_t slot =
+      static_cast<int64_t>(table[p / a.block_size]) * a.block_size + p % a.block_size;
+  return cache + slot * a.slot_stride + kv * a.head_dim;
+}
+
 // The 16 lanes of each of sixteen accumulators added as a fixed tree, all at once: halves,
 // quarters, then pairs of lanes, then lanes (lane i of the result is a[i]'s sum). Lanes of
 // different accumulators never meet, so an accumulator's sum does not depend on the others.
-static inline v16 lane_trees16(const v16* a) {
+__attribute__((always_inline)) static inline v16 lane_trees16(const v16* a) {
   v16 x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)  // a[i]'s 8 partial sums, then a[i + 8]'s
     x[i] = __builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
@@ -152,7 +169,7 @@ static inline void add_weighted(float* o, const float* values, const float* w, i
   v16 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = load16(o + c * kLanes);
   for (int64_t i = 0; i < n; ++i) {
-    const v16 weight = v16{} + w[i];
+    const v16 weight = splat16(w[i]);
     for (int c = 0; c < C; ++c)
       acc[c] = fma16(weight, load16(values + i * stride + c * kLanes), acc[c]);
   }
@@ -169,13 +186,13 @@ template <typename CacheT>
 static inline void touch_block(const CacheT* cache, const FixedOrderArgs& a, const int32_t* table,
                                int64_t kv0, int64_t nkv, int64_t p0, int64_t n) {
   const int64_t bytes = nkv * a.head_dim * static_cast<int64_t>(sizeof(CacheT));
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = p0 + i;
-    const int64_t slot =
-        static_cast<int64_t>(table[p / a.block_size]) * a.block_size + p % a.block_size;
-    const auto* row =
-        reinterpret_cast<const volatile char*>(cache + slot * a.slot_stride + kv0 * a.head_dim);
-    for (int64_t b = 0; b < bytes; b += 64) (void)row[b];
+  const int64_t stride = a.slot_stride * static_cast<int64_t>(sizeof(CacheT));
+  for (int64_t p = p0; p < p0 + n;) {  // the positions of one cache block at a time
+    const int64_t run = std::min(p0 + n - p, a.block_size - p % a.block_size);
+    const auto* row = reinterpret_cast<const volatile char*>(row_at(cache, a, table, kv0, p));
+    for (int64_t i = 0; i < run; ++i, row += stride)
+      for (int64_t b = 0; b < bytes; b += 64) (void)row[b];
+    p += run;
   }
 }
 
@@ -224,12 +241,16 @@ struct Ahead {
   int64_t next = 0, per_call = 0;  // positions u = 0 .. 2 * length - 1: keys, then values
 
   void issue() {
-    for (const int64_t end = std::min(next + per_call, 2 * length); next < end; ++next) {
+    const int64_t end = std::min(next + per_call, 2 * length);
+    while (next < end) {  // the positions of one cache block (of keys or values) at a time
       const int64_t p = next < length ? next : next - length;
+      const int64_t run = std::min({end - next, block_size - p % block_size,
+                                    next < length ? length - next : end - next});
       const int64_t slot =
           static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
       const char* row = (next < length ? keys : values) + slot * slot_bytes;
-      for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+      for (int64_t b = 0; b < run * slot_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+      next += run;
     }
   }
 };
@@ -247,10 +268,10 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
                            const QueryT* const* query_rows, QueryT* const* out_rows,
                            float* weights, Ahead* ahead) {  // ahead: issued each block
   constexpr int64_t D = 64, C = 4;
-  auto row_of = [&](const CacheT* cache, int64_t p) {
-    const int64_t slot =
-        static_cast<int64_t>(table[p / a.block_size]) * a.block_size + p % a.block_size;
-    return cache + slot * a.slot_stride + kv * D;
+  const bool whole = a.block_size % kBlock == 0;  // kBlock positions in one block (row_at)
+  // position p0 + i's row, p0 a multiple of kBlock, first = row_at(cache, p0) where whole
+  auto row_of = [&](const CacheT* cache, const CacheT* first, int64_t p0, int64_t i) {
+    return whole ? first + i * a.slot_stride : row_at(cache, a, table, kv, p0 + i);
   };
   auto chunks = [](const CacheT* row, v16* c) {
     split_pairs(row, c[0], c[1]);
@@ -275,10 +296,11 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
     const int64_t n = std::min<int64_t>(kBlock, length - p0);
     touch(p0 + kAhead, p0 + kAhead + n);
     ahead->issue();
+    const CacheT* first = whole ? row_at(keys, a, table, kv, p0) : nullptr;
     v16 acc[HG][kBlock];
     for (int64_t i = 0; i < kBlock; ++i) {
       v16 k[C] = {};
-      if (i < n) chunks(row_of(keys, p0 + i), k);
+      if (i < n) chunks(row_of(keys, first, p0, i), k);
       for (int h = 0; h < HG; ++h) {
         v16 sum = {};
         for (int c = 0; c < C; ++c) sum = fma16(q[h][c], k[c], sum);
@@ -298,11 +320,12 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
     const int64_t n = std::min<int64_t>(kBlock, length - p0);
     touch(length + p0 + kAhead, length + p0 + kAhead + n);
     ahead->issue();
+    const CacheT* first = whole ? row_at(values, a, table, kv, p0) : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       v16 v[C];
-      chunks(row_of(values, p0 + i), v);
+      chunks(row_of(values, first, p0, i), v);
       for (int h = 0; h < HG; ++h) {
-        const v16 weight = v16{} + weights[h * length + p0 + i];
+        const v16 weight = splat16(weights[h * length + p0 + i]);
         for (int c = 0; c < C; ++c) out[h][c] = fma16(weight, v[c], out[h][c]);
       }
     }

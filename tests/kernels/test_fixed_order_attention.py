@@ -139,6 +139,38 @@ def test_the_caches_values_not_their_dtype_decide_the_bits(head_dim):
         assert torch.equal(got, want), dtype
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_the_block_size_does_not_change_the_bits(head_dim):
+    """The same contexts paged in blocks of 5, 8, 16 and 48 positions give the same bits: blocks
+    of a multiple of 16 positions find 16 positions' rows from one division, the others each
+    position's, and the reads ahead run one block at a time."""
+    generator = torch.Generator().manual_seed(11)
+    ctx_lens, num_kv_heads = [70, 20, 33, 100], 3
+    query = torch.randn(len(ctx_lens), 9, head_dim, generator=generator).bfloat16()
+    contexts = [
+        torch.randn(2, n, num_kv_heads, head_dim, generator=generator).bfloat16() for n in ctx_lens
+    ]
+    rows = torch.arange(len(ctx_lens), dtype=torch.int32)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    results = []
+    for block_size in (5, 8, 16, 48):
+        blocks = [-(-n // block_size) for n in ctx_lens]
+        num_blocks = sum(blocks) + 2
+        caches = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim).bfloat16()
+        order = torch.randperm(num_blocks, generator=generator)
+        tables = torch.zeros(len(ctx_lens), max(blocks), dtype=torch.int32)
+        start = 0
+        for row, (count, context) in enumerate(zip(blocks, contexts, strict=True)):
+            tables[row, :count] = order[start : start + count]
+            start += count
+            for position in range(context.shape[1]):
+                block = int(tables[row, position // block_size])
+                caches[:, block, position % block_size] = context[:, position]
+        results.append(_attend(query, caches[0], caches[1], tables, rows, lens, 0.125))
+    for got in results[1:]:
+        assert torch.equal(got, results[0])
+
+
 def test_bad_tables_are_refused():
     query, key_cache, value_cache, tables, rows, lens = _case(
         [1, 1], [9, 20], 4, 2, 16, 8, torch.float32, torch.float32, 3
