@@ -29,8 +29,8 @@
 // (`logits`; packed as int8_linear reads them), it starts from the token ids (the embedding's rows
 // dequantized and rounded as the model does) and ends with the LM head: every thread the final norm
 // and its rounding to int8, then its share of the vocabulary's column blocks through int8_linear's
-// kernel (int4_linear.h), each logit rounded to the activations' dtype as the model's head rounds
-// it. The products and attention are the operators' own kernels on the same inputs, so they give
+// kernel (int4_linear.h), the logits its float32 sums as the model's quantized head returns them
+// (ParallelLMHead.float32_result). The products and attention are the operators' own kernels on the same inputs, so they give
 // the same bits as the operators; the norms, rotary and SiLU are written here, in float32 as the
 // model computes them, and may differ from PyTorch's in the last bit of a float32 before rounding
 // (a sum's order, an exp's polynomial).
@@ -345,8 +345,8 @@ struct DecodeStack : torch::CustomClassHolder {
                 context_lens);
   }
 
-  // The step's logits [T, vocab_size] float32 (each rounded to the activations' dtype, as the
-  // model's LM head gives them) from its token ids input_ids [T] (int64), where the stack holds
+  // The step's logits [T, vocab_size] float32 (the LM head's float32 sums, not rounded to the
+  // activations' dtype: as the model's quantized head gives them) from its token ids input_ids [T] (int64), where the stack holds
   // the embedding and the LM head (head_group > 0); the rest as run.
   at::Tensor logits(const at::Tensor& input_ids, const at::Tensor& positions, at::Tensor kv_cache,
                     const at::Tensor& slots, const at::Tensor& block_tables,
@@ -564,18 +564,14 @@ struct DecodeStack : torch::CustomClassHolder {
       }
       if (from_ids) {
         // every thread the final norm and its rows rounded to int8, then its share of the LM
-        // head's column blocks, each logit rounded as the model's head rounds it
+        // head's column blocks
         norm(final_norm, x.data(), false);
         int4.quantize_floats(rows_in, H, 0, T, q8, d8, s8);
         const auto [b0, b1] = share((vocab_size + kCols - 1) / kCols, P, me);
-        const int64_t col_begin = b0 * kCols, col_end = std::min(vocab_size, b1 * kCols);
         float* logits_ptr = out.data_ptr<float>();
         int4.columns8(q8, d8, s8, T, H, vocab_size, head_packed.data_ptr<uint8_t>(),
                       reinterpret_cast<const uint16_t*>(head_scales.data_ptr<at::Half>()),
                       head_group, b0, b1, tile_out, logits_ptr);
-        for (int64_t t = 0; t < T && col_begin < col_end; ++t)
-          round_into(logits_ptr + t * vocab_size + col_begin,
-                     logits_ptr + t * vocab_size + col_begin, col_end - col_begin, bf16);
       } else if (me == 0) {
         norm(final_norm, x.data(), false);
         if (bf16) {

@@ -198,10 +198,13 @@ BAD_IDS = {
 }
 
 
-def test_a_step_from_token_ids_gives_the_model_logits(tiny_llama_dir):
-    """The 8-bit embedding and LM head in the call: the logits of the step's sampled rows, the
-    bad inputs of run refused there too, bad ids refused before the cache is touched."""
-    engine = int4_engine(tiny_llama_dir, "float32")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_from_token_ids_gives_the_model_logits(tiny_llama_dir, dtype):
+    """The 8-bit embedding and LM head in the call: the logits of the step's sampled rows (in
+    bfloat16 too the head's float32 sums, not rounded, as the model's quantized head returns
+    them), the bad inputs of run refused there too, bad ids refused before the cache is
+    touched."""
+    engine = int4_engine(tiny_llama_dir, dtype)
     stack = engine.runner.decode_stack
     assert stack.holds_head
     _, positions, cache, slots, tables, query_start, context_lens = step_inputs(engine)
@@ -212,6 +215,7 @@ def test_a_step_from_token_ids_gives_the_model_logits(tiny_llama_dir):
     cache.zero_()
     again = stack.call.run(hidden, positions, cache, slots, tables, query_start, context_lens)
     torch.testing.assert_close(logits, stack.model.compute_logits(again, torch.tensor([0])))
+    assert not torch.equal(logits, logits.bfloat16().float())  # not rounded to bfloat16
     for case, bad_ids in BAD_IDS.items():
         before = cache.clone()
         with pytest.raises(RuntimeError, match="DecodeStack"):
