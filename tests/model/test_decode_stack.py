@@ -37,7 +37,7 @@ def int4_engine(model_dir, dtype: str, **overrides) -> LLMEngine:
     config = dict(
         model=str(model_dir),
         dtype=dtype,
-        num_kv_blocks=64,
+        num_kv_blocks=256,
         block_size=BLOCK_SIZE,
         quantization={"method": "int4", "group_size": 32},
     )
@@ -75,7 +75,7 @@ WEIGHTS = {  # (dtype, quantization)
 
 
 @pytest.mark.parametrize("weights", list(WEIGHTS))
-@pytest.mark.parametrize("num_rows", [1, 3, MAX_TOKENS])
+@pytest.mark.parametrize("num_rows", [1, 3, 8, MAX_TOKENS])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_decode_steps_match_the_model_forward(tiny_llama_dir, weights, num_rows, threads):
     dtype, quantization = WEIGHTS[weights]
