@@ -38,7 +38,7 @@ from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-MAX_TOKENS = 24  # decode steps of at most this many tokens; larger ones go to the step graphs
+MAX_TOKENS = 32  # decode steps of at most this many tokens; larger ones go to the step graphs
 
 
 class DecodeStack:

@@ -9,7 +9,9 @@
 // work ~45% of a 4-bit step. Here the threads run the whole stack together and meet at 5
 // barriers a layer, each computing its share of every product's column blocks; what is small
 // and serial (the norms, a product's input rows rounded to int8) each thread computes whole for
-// itself rather than waiting for one to do it.
+// itself rather than waiting for one to do it. From kShareRows tokens (up to 32 a step, where
+// the stack still beats the graphs) a product's input rows are rounded once, each thread a
+// share of them, at one more barrier a product.
 //
 // Per layer, with the model's roundings (engine/models/llama.py; activations float32 or
 // bfloat16, every product's output rounded to the activations' dtype):
@@ -61,6 +63,11 @@ namespace {
 
 constexpr const char* kName = "DecodeStack";
 constexpr int64_t kCols = 16;  // output columns per packed 4-bit block
+// Steps of at least this many tokens prepare a product's input rows once, the threads sharing
+// them, rather than in every thread: one more barrier a product, and less arithmetic each. One
+// engine's steps alternating between the two (int4, 2 threads, context 256): 32 tokens 30.09 ->
+// 29.78 and 30.58 -> 29.99 ms, 24 tokens 23.90 -> 23.77, 12 tokens even, 8 tokens 13.01 -> 13.46.
+constexpr int64_t kShareRows = 16;
 using splitfuse_fixed_order::kTouchTokens;
 using splitfuse_fixed_order::kWholeTokenItems;
 
@@ -431,7 +438,13 @@ struct DecodeStack : torch::CustomClassHolder {
     std::vector<float> own(threads * own_floats);
     std::vector<uint8_t> own_rows(threads * own_bytes);
     const int64_t block_cols = layers.front().qkv.block_cols;
+    // from kShareRows tokens the threads prepare a product's input rows between them, into
+    // buffers they share, and meet at one more barrier before the product
+    const bool share_rows = threads > 1 && T >= kShareRows;
+    std::vector<uint8_t> shared_rows(share_rows ? T * max_in * 2 : 0);
+    std::vector<float> shared_runs(share_rows ? 2 * (T * max_in / 32) : 0);
 
+    const bool int8 = kind == Kind::kInt4;
 #pragma omp parallel num_threads(threads)
     {
       const int P = omp_get_num_threads(), me = omp_get_thread_num();
@@ -443,6 +456,12 @@ struct DecodeStack : torch::CustomClassHolder {
       int8_t* q8 = reinterpret_cast<int8_t*>(own_rows.data() + me * own_bytes);
       auto* x16 = reinterpret_cast<uint16_t*>(own_rows.data() + me * own_bytes);
       auto* out16 = x16 + T * max_in;
+      if (share_rows) {
+        q8 = reinterpret_cast<int8_t*>(shared_rows.data());
+        x16 = reinterpret_cast<uint16_t*>(shared_rows.data());
+        d8 = shared_runs.data();
+        s8 = d8 + T * max_in / 32;
+      }
       alignas(64) float tile_out[4 * 64];
 
       // rows_in = round(round(rms_norm(in + residual)) * w); residual = the sum (in alone in
@@ -451,12 +470,19 @@ struct DecodeStack : torch::CustomClassHolder {
         for (int64_t t = 0; t < T; ++t)
           norm_row(in + t * H, residual + t * H, w.data(), rows_in + t * H, H, eps, first, bf16);
       };
-      // the rows in[T, K] as the products read them (both threads do it, each for itself)
-      const auto prepare = [&](const float* in, int64_t K) {
-        if (kind == Kind::kInt4) {
-          int4.quantize_floats(in, K, 0, T, q8, d8, s8);
+      // the rows in[T, K] as the products read them: each thread all of them for itself, or
+      // (share_rows) its share of them for every thread, then the threads meet (a product ends
+      // at a barrier, so none still reads the rows prepared before)
+      // (int8 rows for a 4-bit product and the LM head, bfloat16 bits for a blocked product)
+      const auto prepare = [&](const float* in, int64_t K, bool int8) {
+        const auto [r0, r1] = share_rows ? share(T, P, me) : std::pair<int64_t, int64_t>{0, T};
+        if (int8) {
+          int4.quantize_floats(in, K, r0, r1, q8, d8, s8);
         } else {  // bfloat16 values: their bits
-          for (int64_t i = 0; i < T * K; ++i) x16[i] = bf16_bits(in[i]);
+          for (int64_t i = r0 * K; i < r1 * K; ++i) x16[i] = bf16_bits(in[i]);
+        }
+        if (share_rows) {
+#pragma omp barrier
         }
       };
       // this thread's column blocks [block_begin, block_end) of product_out [T, N] = the rows
@@ -489,7 +515,7 @@ struct DecodeStack : torch::CustomClassHolder {
         char* values = cache + (2 * l + 1) * layer_elems * elem;
 
         norm(layer.input_norm, x.data(), l == 0);
-        prepare(rows_in, H);
+        prepare(rows_in, H, int8);
         const auto [b0, b1] = share(layer.qkv.blocks(), P, me);
         multiply(layer.qkv, qkv.data(), b0, b1);
 #pragma omp barrier
@@ -540,12 +566,12 @@ struct DecodeStack : torch::CustomClassHolder {
         if (i0 < i1) splitfuse_fixed_order::attend_items(args, i0, i1);
 #pragma omp barrier
         round_into(attended.data(), rows_in, T * q_size, bf16);
-        prepare(rows_in, q_size);
+        prepare(rows_in, q_size, int8);
         const auto [o0, o1] = share(layer.o.blocks(), P, me);
         multiply(layer.o, projected.data(), o0, o1);
 #pragma omp barrier
         norm(layer.post_norm, projected.data(), false);
-        prepare(rows_in, H);
+        prepare(rows_in, H, int8);
         // gate column blocks [g0, g1) and the up blocks I apart, then SiLU(gate) * up there
         const int64_t gate_blocks = I / block_cols;
         const auto [g0, g1] = share(gate_blocks, P, me);
@@ -557,7 +583,7 @@ struct DecodeStack : torch::CustomClassHolder {
                    bf16);
         }
 #pragma omp barrier
-        prepare(act.data(), I);
+        prepare(act.data(), I, int8);
         const auto [n0, n1] = share(layer.down.blocks(), P, me);
         multiply(layer.down, x.data(), n0, n1);
 #pragma omp barrier
@@ -566,7 +592,7 @@ struct DecodeStack : torch::CustomClassHolder {
         // every thread the final norm and its rows rounded to int8, then its share of the LM
         // head's column blocks
         norm(final_norm, x.data(), false);
-        int4.quantize_floats(rows_in, H, 0, T, q8, d8, s8);
+        prepare(rows_in, H, true);
         const auto [b0, b1] = share((vocab_size + kCols - 1) / kCols, P, me);
         float* logits_ptr = out.data_ptr<float>();
         int4.columns8(q8, d8, s8, T, H, vocab_size, head_packed.data_ptr<uint8_t>(),

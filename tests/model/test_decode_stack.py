@@ -37,7 +37,7 @@ def int4_engine(model_dir, dtype: str, **overrides) -> LLMEngine:
     config = dict(
         model=str(model_dir),
         dtype=dtype,
-        num_kv_blocks=256,
+        num_kv_blocks=512,
         block_size=BLOCK_SIZE,
         quantization={"method": "int4", "group_size": 32},
     )
