@@ -32,10 +32,10 @@
 // dequantized and rounded as the model does) and ends with the LM head: every thread the final norm
 // and its rounding to int8, then its share of the vocabulary's column blocks through int8_linear's
 // kernel (int4_linear.h), the logits its float32 sums as the model's quantized head returns them
-// (ParallelLMHead.float32_result). The products and attention are the operators' own kernels on the same inputs, so they give
-// the same bits as the operators; the norms, rotary and SiLU are written here, in float32 as the
-// model computes them, and may differ from PyTorch's in the last bit of a float32 before rounding
-// (a sum's order, an exp's polynomial).
+// (ParallelLMHead.float32_result). The products and attention are the operators' own kernels on
+// the same inputs, so they give the same bits as the operators; the norms, rotary and SiLU are
+// written here, in float32 as the model computes them, and may differ from PyTorch's in the last
+// bit of a float32 before rounding (a sum's order, an exp's polynomial).
 //
 // Every input is checked before the cache is written; a bad one raises and changes nothing.
 
@@ -353,8 +353,9 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   // The step's logits [T, vocab_size] float32 (the LM head's float32 sums, not rounded to the
-  // activations' dtype: as the model's quantized head gives them) from its token ids input_ids [T] (int64), where the stack holds
-  // the embedding and the LM head (head_group > 0); the rest as run.
+  // activations' dtype: as the model's quantized head gives them) from its token ids input_ids
+  // [T] (int64), where the stack holds the embedding and the LM head (head_group > 0); the rest
+  // as run.
   at::Tensor logits(const at::Tensor& input_ids, const at::Tensor& positions, at::Tensor kv_cache,
                     const at::Tensor& slots, const at::Tensor& block_tables,
                     const at::Tensor& query_start, const at::Tensor& context_lens) {

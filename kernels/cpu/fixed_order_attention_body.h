@@ -52,9 +52,9 @@ static inline v16 splat16(float x) {
 }
 
 // The row of position p of KV head kv in `cache`, through the block table. Where a block holds
-// a multiple of kBlock positions, kBlock positions from a multiple of kBlock lie in one block,
-// rows slot_stride apart: first_row(p0) + i * slot_stride is position p0 + i's, one division
-// (a 64-bit division took ~10% of an item's time when done per position) for kBlock rows.
+// a multiple of kBlock positions, the kBlock positions from a multiple of kBlock lie in one
+// block, rows slot_stride apart: row_at(p0) + i * slot_stride is position p0 + i's, one 64-bit
+// division for kBlock rows instead of one a row.
 template <typename CacheT>
 static inline const CacheT* row_at(const CacheT* cache, const FixedOrderArgs& a,
                                    const int32_t* table, int64_t kv, int64_t p) {
