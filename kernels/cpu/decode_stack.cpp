@@ -68,6 +68,11 @@ constexpr int64_t kCols = 16;  // output columns per packed 4-bit block
 // engine's steps alternating between the two (int4, 2 threads, context 256): 32 tokens 30.09 ->
 // 29.78 and 30.58 -> 29.99 ms, 24 tokens 23.90 -> 23.77, 12 tokens even, 8 tokens 13.01 -> 13.46.
 constexpr int64_t kShareRows = 16;
+// Steps of more than kTouchTokens tokens split a layer's first product into this many runs of
+// column blocks, between which each thread asks for its first attention item's context. One
+// int4 engine's steps alternating with and without (context 256, 2 threads): 32 tokens 31.18 ->
+// 30.84 and 35.82 -> 35.32 ms, 24 tokens 28.28 -> 27.76, 16 tokens 20.55 -> 20.11.
+constexpr int64_t kEarlyParts = 8;
 using splitfuse_fixed_order::kTouchTokens;
 using splitfuse_fixed_order::kWholeTokenItems;
 
@@ -517,14 +522,28 @@ struct DecodeStack : torch::CustomClassHolder {
 
         norm(layer.input_norm, x.data(), l == 0);
         prepare(rows_in, H, int8);
-        const auto [b0, b1] = share(layer.qkv.blocks(), P, me);
-        multiply(layer.qkv, qkv.data(), b0, b1);
-#pragma omp barrier
         const splitfuse_fixed_order::FixedOrderArgs args{
             query.data(), keys,          values,       tables,     rows.data(),
             lens,         attended.data(), T,          q_size,     table_stride,
             kv_size,      block_size,    num_heads,    num_kv_heads, D,
             kv_per_item,  scale,         bf16 ? 1 : 0};
+        const auto [i0, i1] = share(num_items, P, me);  // this thread's attention items
+        const auto [b0, b1] = share(layer.qkv.blocks(), P, me);
+        if (T > kTouchTokens && i0 < i1) {
+          // many tokens: the arithmetic bounds the product and the memory sits idle, so this
+          // thread's first attention item asks for its context a share after each of
+          // kEarlyParts runs of the product's column blocks (attention's later items are asked
+          // for by the item before them; the first one waited on memory)
+          const int64_t run = (b1 - b0 + kEarlyParts - 1) / kEarlyParts;
+          for (int64_t part = 0; part < kEarlyParts; ++part) {
+            const int64_t c0 = std::min(b1, b0 + part * run);
+            multiply(layer.qkv, qkv.data(), c0, std::min(b1, c0 + run));
+            splitfuse_fixed_order::ask_for_item(args, i0, part, kEarlyParts);
+          }
+        } else {
+          multiply(layer.qkv, qkv.data(), b0, b1);
+        }
+#pragma omp barrier
         // a few tokens' contexts loaded into the caches, one byte a line (every KV head's),
         // the threads sharing the blocks; the positions before each token's own, which its
         // attention item stores now
@@ -534,7 +553,6 @@ struct DecodeStack : torch::CustomClassHolder {
         }
         // this thread's attention items: first rotary on their query and key heads and their
         // K/V stored (x * cos + rotate_half(x) * sin), so no other thread waits on them
-        const auto [i0, i1] = share(num_items, P, me);
         for (int64_t k = i0; k < i1; ++k) {
           const auto [t, kv0] = splitfuse_fixed_order::item_of(args, k);
           const float* cos = cos_sin_ptr + position[t] * D;

@@ -268,6 +268,22 @@ std::pair<int64_t, int64_t> item_of(const FixedOrderArgs& args, int64_t k) {
   return {item.token, item.kv0};
 }
 
+void ask_for_item(const FixedOrderArgs& args, int64_t k, int64_t part, int64_t parts) {
+  namespace base = splitfuse_attention_base;  // (prefetches: any body's Ahead asks alike)
+  const auto item = base::item_at(args, k);
+  const int64_t elem = args.kinds % 3 == 0 ? 4 : 2;  // the caches' element size
+  const int64_t per_part = (2 * item.length + parts - 1) / parts;
+  base::Ahead ahead{static_cast<const char*>(args.key_cache),
+                    static_cast<const char*>(args.value_cache),
+                    item.table,
+                    item.length,
+                    args.block_size,
+                    args.slot_stride * elem,
+                    std::min(part * per_part, 2 * item.length),
+                    per_part};
+  ahead.issue();
+}
+
 std::pair<at::Tensor, at::Tensor> layer_caches(const char* op, const at::Tensor& kv_cache,
                                                int64_t layer) {
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(), op,

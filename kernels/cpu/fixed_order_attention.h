@@ -71,4 +71,8 @@ void touch_items(const FixedOrderArgs& args, int64_t begin, int64_t end, int64_t
 // kv0 * G .. (kv0 + kv_per_item) * G - 1 of that token (G query heads a KV head).
 std::pair<int64_t, int64_t> item_of(const FixedOrderArgs& args, int64_t k);
 
+// Asks for share `part` of `parts` of work item k's context (every KV head's key rows, then their
+// value rows) into the L2 cache: software prefetches, which nothing waits on. Only reads.
+void ask_for_item(const FixedOrderArgs& args, int64_t k, int64_t part, int64_t parts);
+
 }  // namespace splitfuse_fixed_order
