@@ -179,7 +179,7 @@ def _ask_for_huge_pages(cache: torch.Tensor) -> None:
     except (OSError, AttributeError):
         return
     begin = -(-cache.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (cache.data_ptr() + cache.numel() * cache.element_size()) // HUGE_PAGE * HUGE_PAGE
+    end = (cache.data_ptr() + cache.nbytes) // HUGE_PAGE * HUGE_PAGE
     if end > begin:  # not checked: a kernel without huge pages refuses, and 4 KiB pages stay
         madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), advice)
 

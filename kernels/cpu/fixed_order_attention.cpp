@@ -269,18 +269,10 @@ std::pair<int64_t, int64_t> item_of(const FixedOrderArgs& args, int64_t k) {
 }
 
 void ask_for_item(const FixedOrderArgs& args, int64_t k, int64_t part, int64_t parts) {
-  namespace base = splitfuse_attention_base;  // (prefetches: any body's Ahead asks alike)
-  const auto item = base::item_at(args, k);
+  // (prefetches: any body's Ahead asks alike)
   const int64_t elem = args.kinds % 3 == 0 ? 4 : 2;  // the caches' element size
-  const int64_t per_part = (2 * item.length + parts - 1) / parts;
-  base::Ahead ahead{static_cast<const char*>(args.key_cache),
-                    static_cast<const char*>(args.value_cache),
-                    item.table,
-                    item.length,
-                    args.block_size,
-                    args.slot_stride * elem,
-                    std::min(part * per_part, 2 * item.length),
-                    per_part};
+  auto ahead = splitfuse_attention_base::ahead_for(args, k, parts, elem);
+  ahead.next = std::min(part * ahead.per_call, 2 * ahead.length);
   ahead.issue();
 }
 

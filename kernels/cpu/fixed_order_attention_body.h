@@ -354,16 +354,21 @@ static inline Item item_at(const FixedOrderArgs& a, int64_t k) {
           a.block_tables + a.token_rows[token] * a.table_stride};
 }
 
+// Item k's context asked for in `calls` calls of issue(), from its first key row (caches of
+// `elem`-byte values)
+static inline Ahead ahead_for(const FixedOrderArgs& a, int64_t k, int64_t calls, int64_t elem) {
+  const Item it = item_at(a, k);
+  return Ahead{static_cast<const char*>(a.key_cache), static_cast<const char*>(a.value_cache),
+               it.table, it.length, a.block_size, a.slot_stride * elem, 0,
+               (2 * it.length + calls - 1) / calls};
+}
+
 // For item k of [begin, end) that computes in `calls` calls of issue(): its successor's context
 // (none where k is the last or items hold one KV head each)
 template <typename CacheT>
 static inline Ahead ahead_of(const FixedOrderArgs& a, int64_t k, int64_t end, int64_t calls) {
   if (a.kv_per_item != a.num_kv_heads || k + 1 >= end) return Ahead{};
-  const Item next = item_at(a, k + 1);
-  const int64_t elem = static_cast<int64_t>(sizeof(CacheT));
-  return Ahead{static_cast<const char*>(a.key_cache), static_cast<const char*>(a.value_cache),
-               next.table, next.length, a.block_size, a.slot_stride * elem, 0,
-               (2 * next.length + calls - 1) / calls};
+  return ahead_for(a, k + 1, calls, static_cast<int64_t>(sizeof(CacheT)));
 }
 
 // Items [begin, end) of 64-dim heads through attend_heads64

@@ -303,7 +303,7 @@ def resident_bytes_of(tensor: torch.Tensor) -> int:
     cache's huge-page advice splits its mapping in up to three). The process's total would also
     move with whatever other threads allocate or free meanwhile."""
     begin = tensor.data_ptr()
-    end = begin + tensor.numel() * tensor.element_size()
+    end = begin + tensor.nbytes
     resident, inside, found = 0, False, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
