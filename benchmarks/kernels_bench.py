@@ -402,6 +402,74 @@ def bench_cuda() -> None:
     bench_quant_linear(copy_bandwidth)
 
 
+def sweep_attention(only: str = "") -> None:
+    """The Triton attention kernel's launch settings swept (the cases whose name holds ``only``):
+    context positions a step (TILE), context splits, warps and pipeline stages; each variant's
+    result checked against the default's."""
+    import itertools
+
+    import triton.testing
+
+    from kernels.triton_attention import launch_paged_attention
+
+    llama8b = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+    smollm = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
+    cases = [  # (case, the context splits and tiles to try; warps 4 and 8, pipeline stages 1 and 3)
+        (AttentionCase("decode 64 x 512, d64", [(511, 1)] * 64, **smollm), (1, 2, 4), (32, 64)),
+        (AttentionCase("decode 8 x 2048, d64", [(2047, 1)] * 8, **smollm), (2, 4, 8), (32, 64)),
+        (AttentionCase("decode 4 x 8192", [(8191, 1)] * 4, **llama8b), (8, 16, 32), (32, 64, 128)),
+        (AttentionCase("decode 1 x 32768", [(32767, 1)], **llama8b), (16, 32, 64), (32, 64, 128)),
+        (AttentionCase("decode 64 x 2048", [(2047, 1)] * 64, **llama8b), (1, 2), (32, 64, 128)),
+        (AttentionCase("prefill 2048", [(0, 2048)], **llama8b), (1,), (32, 64)),
+        (
+            AttentionCase("mixed 128 x 1024 + 512", [(1023, 1)] * 128 + [(0, 512)], **llama8b),
+            (1,),
+            (32, 64),
+        ),
+    ]
+    copy_src = torch.empty(256 * 2**20, dtype=torch.float32, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    copy_ms = triton.testing.do_bench(lambda: copy_dst.copy_(copy_src), warmup=25, rep=100)
+    copy_bandwidth = 2 * copy_src.numel() * 4 / (copy_ms * 1e-3)
+    print(f"attention sweep, copy bandwidth {copy_bandwidth / 1e9:.0f} GB/s")
+    for case, splits, tiles in cases:
+        if only not in case.name:
+            continue
+        inputs = make_attention_inputs(case, torch.bfloat16, "cuda")
+        meta = inputs.metadata
+        key_cache, value_cache = inputs.kv_cache[0]
+        out = torch.empty_like(inputs.query)
+
+        call = partial(
+            partial, launch_paged_attention, inputs.query, key_cache, value_cache,
+            meta.query_start, meta.context_lens, meta.block_tables, inputs.scale,
+            meta.max_query_len, meta.max_context_len, out,
+        )  # fmt: skip
+
+        call(num_splits=None)()
+        expected = out.clone()
+        num_bytes = attention_bytes(case, torch.bfloat16)
+        results = []
+        for num_splits, tile_n, warps, stages in itertools.product(splits, tiles, (4, 8), (1, 3)):
+            fn = call(num_splits=num_splits, tile_n=tile_n, num_warps=warps, num_stages=stages)
+            try:
+                ms = triton.testing.do_bench(fn, warmup=10, rep=40)
+            except Exception as error:  # a variant that does not fit (shared memory)
+                print(f"  {case.name} splits {num_splits} tile {tile_n} w{warps} s{stages}: "
+                      f"{type(error).__name__}")  # fmt: skip
+                continue
+            error = (out.float() - expected.float()).abs().max().item()
+            results.append((ms, num_splits, tile_n, warps, stages, error))
+        results.sort()
+        base = triton.testing.do_bench(call(num_splits=None), warmup=10, rep=40)
+        print(f"{case.name}: default {base * 1e3:.1f} us "
+              f"({100 * num_bytes / (base * 1e-3) / copy_bandwidth:.0f}% of copy)")  # fmt: skip
+        for ms, num_splits, tile_n, warps, stages, error in results[:6]:
+            share = 100 * num_bytes / (ms * 1e-3) / copy_bandwidth
+            print(f"  {ms * 1e3:7.1f} us {share:3.0f}%  splits {num_splits:3} tile {tile_n:3} "
+                  f"warps {warps} stages {stages}  max diff {error:.2e}", flush=True)  # fmt: skip
+
+
 def graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
     """One call's time inside a CUDA graph of ``calls`` calls (as a captured decode step runs
     it: no launch from the host between kernels)."""
@@ -467,6 +535,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="time the torch backend on the CPU")
     parser.add_argument(
+        "--sweep-attention",
+        nargs="?",
+        const="",
+        metavar="NAME",
+        help="CUDA: sweep the attention launch settings (the cases whose name holds NAME)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default: torch's, all cores)"
     )
     args = parser.parse_args(argv)
@@ -477,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to time (use --cpu for the torch backend on this CPU)")
+        return 0
+    if args.sweep_attention is not None:
+        sweep_attention(args.sweep_attention)
         return 0
     bench_cuda()
     return 0

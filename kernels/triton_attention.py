@@ -31,9 +31,10 @@ import triton.language as tl
 # The interpreter's tl.dot gives wrong results on bfloat16 operands: dot in float32 there only.
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
-TILE_N = 32  # context positions per step
+TILE_N = 64  # context positions per step
 MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 16
+MAX_SPLITS = 64
+PROGRAMS_PER_MULTIPROCESSOR = 4  # what context splits aim for
 LOG2_E = 1.4426950408889634
 
 
@@ -213,9 +214,9 @@ def choose_num_splits(
     num_query_tiles: int, num_kv_heads: int, max_context_len: int, device: torch.device
 ) -> int:
     """Split the context when the batch alone cannot fill the device and contexts are long
-    (few long decodes): enough splits for about two programs per multiprocessor."""
+    (few long decodes): enough splits for about four programs per multiprocessor."""
     num_programs = num_query_tiles * num_kv_heads
-    target = 2 * _num_multiprocessors(device)
+    target = PROGRAMS_PER_MULTIPROCESSOR * _num_multiprocessors(device)
     if num_programs >= target or max_context_len < 2 * MIN_TOKENS_PER_SPLIT:
         return 1
     by_length = max_context_len // MIN_TOKENS_PER_SPLIT
@@ -236,8 +237,12 @@ def launch_paged_attention(
     out: torch.Tensor,
     num_splits: int | None = None,
     deterministic: bool = False,
+    tile_n: int = TILE_N,
+    **launch_options: int,
 ) -> torch.Tensor:
     """Run the kernel(s) on checked inputs; ``num_splits`` None picks it by the heuristic.
+    ``tile_n`` (context positions a step) and ``launch_options`` (Triton's ``num_warps``,
+    ``num_stages``) are the benchmark's tuning knobs; serving keeps the defaults.
 
     ``deterministic``: a query's result must not depend on the batch, so nothing that shapes
     its sums may: one context split (the heuristic reads the batch's size) and query tiles of
@@ -281,8 +286,8 @@ def launch_paged_attention(
         block_tables.stride(0),
         *stride_target,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, GROUP=group,
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE=TILE_N, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **launch_options,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
