@@ -425,10 +425,12 @@ struct DecodeStack : torch::CustomClassHolder {
         const int64_t block = ids[t] / kCols, c = ids[t] % kCols;
         const uint8_t* values = packed + block * H * kCols + c * 4;
         const uint16_t* row_scales = scales + block * groups * kCols + c;
-        for (int64_t k = 0; k < H; ++k) {
-          const int value = static_cast<int>(values[k / 4 * 64 + k % 4]) - 128;
-          x[t * H + k] = to_act(static_cast<float>(value) *
-                                half_to_float(row_scales[k / head_group * kCols]));
+        for (int64_t g = 0; g < groups; ++g) {  // (no division by head_group per value)
+          const float row_scale = half_to_float(row_scales[g * kCols]);
+          for (int64_t k = g * head_group; k < (g + 1) * head_group; ++k) {
+            const int value = static_cast<int>(values[k / 4 * 64 + k % 4]) - 128;
+            x[t * H + k] = to_act(static_cast<float>(value) * row_scale);
+          }
         }
       }
     } else {
