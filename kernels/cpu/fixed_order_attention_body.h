@@ -411,7 +411,8 @@ static void register_items(const FixedOrderArgs& a, int64_t begin, int64_t end) 
           out_rows[h] = result + (it.token * a.num_heads + kv * G + h0 + h) * D;
         }
         // the item's first pass touches its every KV head's rows (a slot's heads are
-        // contiguous); the later passes find them in the L2 cache
+        // contiguous; unless the step loaded them before: touched_before); the later passes
+        // find them in the L2 cache
         const int64_t touched = kv == it.kv0 && h0 == 0 && !touched_before(a) ? nkv : 0;
         auto* attend = count == 3   ? attend_heads64<3, QueryT, CacheT>
                        : count == 2 ? attend_heads64<2, QueryT, CacheT>
