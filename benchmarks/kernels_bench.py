@@ -3,6 +3,8 @@
     python benchmarks/kernels_bench.py        # CUDA: Triton backend vs the device's copy bandwidth
     python benchmarks/kernels_bench.py --cpu  # the torch backend on this CPU (the CPU serving path)
                                               # and the 8-bit LM head's two products
+    python benchmarks/kernels_bench.py --sweep-attention [NAME]  # CUDA: the Triton attention
+                                              # kernel's tiles, splits, warps and stages swept
 
 On a machine without a CUDA device the first form says so and exits 0. Each op is timed as a layer
 runs it: over a step plan made once (``backend.plan``), whose cost is printed apart on the CPU.
