@@ -404,6 +404,21 @@ def bench_cuda() -> None:
     bench_quant_linear(copy_bandwidth)
 
 
+def triton_launch(
+    inputs: AttentionInputs, out: torch.Tensor, **settings: int | None
+) -> Callable[[], object]:
+    """One call of the Triton attention kernel on ``inputs`` into ``out`` under launch
+    ``settings`` (``launch_paged_attention``'s num_splits, tile_n, num_warps, num_stages)."""
+    from kernels.triton_attention import launch_paged_attention
+
+    meta = inputs.metadata
+    key_cache, value_cache = inputs.kv_cache[0]
+    return lambda: launch_paged_attention(
+        inputs.query, key_cache, value_cache, meta.query_start, meta.context_lens,
+        meta.block_tables, inputs.scale, meta.max_query_len, meta.max_context_len, out, **settings,
+    )  # fmt: skip
+
+
 def sweep_attention(only: str = "") -> None:
     """The Triton attention kernel's launch settings swept (the cases whose name holds ``only``):
     context positions a step (TILE), context splits, warps and pipeline stages; each variant's
@@ -411,8 +426,6 @@ def sweep_attention(only: str = "") -> None:
     import itertools
 
     import triton.testing
-
-    from kernels.triton_attention import launch_paged_attention
 
     llama8b = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
     smollm = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
@@ -438,16 +451,9 @@ def sweep_attention(only: str = "") -> None:
         if only not in case.name:
             continue
         inputs = make_attention_inputs(case, torch.bfloat16, "cuda")
-        meta = inputs.metadata
-        key_cache, value_cache = inputs.kv_cache[0]
         out = torch.empty_like(inputs.query)
 
-        call = partial(
-            partial, launch_paged_attention, inputs.query, key_cache, value_cache,
-            meta.query_start, meta.context_lens, meta.block_tables, inputs.scale,
-            meta.max_query_len, meta.max_context_len, out,
-        )  # fmt: skip
-
+        call = partial(triton_launch, inputs, out)
         call(num_splits=None)()
         expected = out.clone()
         num_bytes = attention_bytes(case, torch.bfloat16)

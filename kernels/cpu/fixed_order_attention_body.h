@@ -233,9 +233,9 @@ constexpr int64_t kAhead = 2 * kBlock;  // positions between a touch (touch_bloc
 
 // A step of at most kTouchTokens tokens has its contexts loaded into the caches before the
 // arithmetic (touch_items, which both callers run first), so the kernels' own touches of its rows
-// would only find them there again: they are left out (each a call between the sums, which
-// saves and restores the vector registers). One decode token at context 256, 30 layers amid the
-// weights' stream: the first thread's attention 266-271 -> 207-211 us a step.
+// would only find them there again: they are left out. One decode token at context 256, 30
+// layers amid the weights' stream: the first thread's attention 266-271 -> 207-211 us a step
+// (measured while each touch was still a call that saved and restored the vector registers).
 static inline bool touched_before(const FixedOrderArgs& a) {
   return a.num_tokens <= splitfuse_fixed_order::kTouchTokens;
 }
@@ -309,7 +309,7 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
   for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, length - p0);
     touch(p0 + kAhead, p0 + kAhead + n);
-    if (ahead->next < 2 * ahead->length) ahead->issue();
+    ahead->issue();
     const CacheT* first = whole ? row_at(keys, a, table, kv, p0) : nullptr;
     v16 acc[HG][kBlock];
     for (int64_t i = 0; i < kBlock; ++i) {
@@ -333,7 +333,7 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
   for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, length - p0);
     touch(length + p0 + kAhead, length + p0 + kAhead + n);
-    if (ahead->next < 2 * ahead->length) ahead->issue();
+    ahead->issue();
     const CacheT* first = whole ? row_at(values, a, table, kv, p0) : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       v16 v[C];
