@@ -122,6 +122,23 @@ def test_a_token_gives_the_same_bits_alone_and_among_others():
 
 
 @pytest.mark.parametrize("head_dim", [64, 40])
+def test_a_bfloat16_result_is_the_float32_one_rounded(head_dim):
+    """The same numbers as bfloat16 and as float32 queries: the bfloat16 result is the float32
+    one rounded to nearest even, whichever way each path stores its rows (64-dim heads: 32 dims
+    at a time); a NaN becomes c10::BFloat16's 0x7FC0."""
+    query, keys, values, tables, rows, lens = _case(
+        [1, 3, 1, 20], [70, 20, 33, 40], 9, 3, head_dim, 16, torch.bfloat16, torch.bfloat16, 9
+    )
+    values[int(tables[2, 0]), 5, 1, 7] = float("nan")  # dim 7 of token 4's second KV head
+    want = _attend(query.float(), keys, values, tables, rows, lens, 0.125)
+    got = _attend(query, keys, values, tables, rows, lens, 0.125)
+    nan = want.isnan()
+    assert nan.sum() == 3 and nan[4, 3:6, 7].all()
+    assert torch.equal(got.view(torch.int16)[nan], torch.full((3,), 0x7FC0, dtype=torch.int16))
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].bfloat16().view(torch.int16))
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
 def test_the_caches_values_not_their_dtype_decide_the_bits(head_dim):
     """Caches of float32, bfloat16 and float16 holding the same numbers give the same bits. With
     64-dim heads float32 and bfloat16 caches take the path that reads rows into registers and
