@@ -148,7 +148,8 @@ static inline vint chain_sum(const vint* sums) {
 template <int BITS, int ROWS, int CB>
 static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
                  const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
-                 int64_t num_groups, int64_t group_size, float* out, int64_t ldo) {
+                 int64_t num_groups, int64_t group_size, float* out, int64_t ldo,
+                 int64_t fetch_first, int64_t fetch_every) {
   constexpr int kValuesPerStep = BITS == 4 ? 8 : 4;   // of one column, in its 4 bytes of a step
   constexpr int kSteps = kRun / kValuesPerStep;       // 64-byte steps per run
   const int64_t block_bytes = K * 2 * BITS;           // 16 columns x K BITS-bit values
@@ -168,6 +169,7 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
   constexpr int kChains = kNibbles || ROWS * CB * kVecs < 4 ? 2 : 1;
   // the weight's group of each run, counted (a division per run cost ~8% of one row's product)
   int64_t group = 0, run_in_group = 0;
+  int64_t fetch_at = fetch_first;  // the next step whose lines of the next blocks are asked for
   for (int64_t run = 0; run < runs; ++run) {
     vint dot[ROWS][CB][kVecs][kChains];
     for (int r = 0; r < ROWS; ++r)
@@ -181,10 +183,21 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
       // with them) are asked for into the L2 cache, 64 bytes per block per step, so the next
       // tile's bytes arrive while this one multiplies (a prefetch past the weight's end never
       // faults). The default model's 120 products of one row, alternated in one process:
-      // 5.39 -> 4.89 ms and 3.75 -> 3.49 ms (-7 to -9%); no number changes.
-      if constexpr (ROWS <= 2)
+      // 5.39 -> 4.89 ms and 3.75 -> 3.49 ms (-7 to -9%); no number changes. Tiles of more
+      // rows wait on them too where the weight comes from memory: tile fetch_first of the
+      // fetch_every tiles that pass over these blocks asks for every fetch_every-th step's
+      // lines, so the tiles share the next blocks' bytes evenly. The int4 default model's
+      // steps, alternated in one engine (1.0 = before): 8 streams 0.846, 32 streams 0.962 (one
+      // row: unchanged); one thread alone, weights from memory: 32 rows 0.88-0.93, 8 rows
+      // 0.62-0.87 (the LM head's 8-bit product gains the most).
+      if constexpr (ROWS <= 2) {
         for (int c = 0; c < CB; ++c)
           __builtin_prefetch(packed + CB * block_bytes + (k8 * CB + c) * 64, 0, 2);
+      } else if (k8 == fetch_at) {
+        for (int c = 0; c < CB; ++c)
+          __builtin_prefetch(packed + CB * block_bytes + (k8 * CB + c) * 64, 0, 2);
+        fetch_at += fetch_every;
+      }
       if constexpr (BITS == 4 || kNibbles) {
         vbyte low[CB][kVecs], high[CB][kVecs];
         for (int c = 0; c < CB; ++c)
@@ -243,9 +256,11 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
 template <int BITS, int ROWS>
 static void tile_rows(int blocks, const int8_t* xq, const float* xd, const float* xs, int64_t K,
                       const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
-                      int64_t num_groups, int64_t group_size, float* out, int64_t ldo) {
-#define SF_TILE(CB) \
-  tile<BITS, ROWS, CB>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo)
+                      int64_t num_groups, int64_t group_size, float* out, int64_t ldo,
+                      int64_t fetch_first, int64_t fetch_every) {
+#define SF_TILE(CB)                                                                          \
+  tile<BITS, ROWS, CB>(xq, xd, xs, K, packed, scales, mins, num_groups, group_size, out, ldo, \
+                       fetch_first, fetch_every)
   switch (blocks) {
 #if SF_COL_BLOCKS > 3 || SF_ONE_ROW_BLOCKS > 3
     case 4: SF_TILE(4); break;
@@ -279,13 +294,15 @@ static void columns(const int8_t* xq, const float* xd, const float* xs, int64_t 
     const int64_t col = nb * kCols;
     const int64_t width = std::min<int64_t>(blocks * kCols, N - col);
     const int64_t ldo = blocks * kCols;
+    const int64_t tiles = (M + SF_ROW_TILE - 1) / SF_ROW_TILE;
     for (int64_t r0 = 0; r0 < M; r0 += SF_ROW_TILE) {
       const int rows = static_cast<int>(std::min<int64_t>(SF_ROW_TILE, M - r0));
       const int8_t* q = xq + r0 * K;
       const float* d = xd + r0 * runs;
       const float* s = xs + r0 * runs;
 #define SF_ROWS(R) \
-  tile_rows<BITS, R>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo)
+  tile_rows<BITS, R>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo, \
+                     r0 / SF_ROW_TILE, tiles)
       switch (rows) {
 #if SF_ROW_TILE > 3
         case 4: SF_ROWS(4); break;
