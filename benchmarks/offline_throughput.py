@@ -4,6 +4,7 @@
     python benchmarks/offline_throughput.py --concurrency 8 --output-len 64   # a quick look
     python benchmarks/offline_throughput.py --profile            # where a decode step's time goes
     python benchmarks/offline_throughput.py --deterministic      # the cost of deterministic mode
+    python benchmarks/offline_throughput.py --quantization auto  # splitfuse as serve runs it
 
 For each concurrency C, in one process and one run: 2C requests (random token ids of exactly
 ``--prompt-len`` tokens, exactly ``--output-len`` output tokens each, EOS ignored) through (1) the
@@ -53,6 +54,7 @@ def start_splitfuse(
             kv_cache_memory=args.kv_cache_memory,
             compile=args.compile,
             deterministic=deterministic,
+            quantization=args.quantization,
         )
     )
     ready = time.perf_counter() - start
@@ -181,6 +183,7 @@ def profile_steps(args: argparse.Namespace, prompts: list[list[int]]) -> None:
                 max_batch_seqs=max(num_requests, 1),
                 kv_cache_memory=args.kv_cache_memory,
                 compile=args.compile,
+                quantization=args.quantization,
             )
         )
         engine.wait_until_compiled()
@@ -226,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "int4", "auto"],
+        help="splitfuse's weights (transformers keeps the model's dtype; serve's default: auto)",
+    )
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated (1,8,32)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -268,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = engine.config.dtype
     print(
         f"workload: 2C requests x ({args.prompt_len} prompt, {args.output_len} output) tokens, "
-        f"{dtype}, {torch.get_num_threads()} threads; splitfuse ready in {ready:.1f} s, graphs "
-        f"compiled after {compiled:.1f} s ({engine.runner.graphs.mode})"
+        f"{dtype}, {torch.get_num_threads()} threads; splitfuse (weights: "
+        f"{engine.config.quantization.method}) ready in {ready:.1f} s, graphs compiled after "
+        f"{compiled:.1f} s ({engine.runner.graphs.mode})"
     )
     ours = {c: run_splitfuse(engine, prompts[: 2 * c], args, c) for c in levels}
     engine.shutdown()
