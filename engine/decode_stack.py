@@ -39,11 +39,13 @@ from kernels.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 MAX_TOKENS = 32  # decode steps of at most this many tokens; larger ones go to the step graphs
+ARGMAX_MAX_VALUES = 1 << 20  # the largest vocabulary whose LM head the call holds (its argmax's)
 
 
 class DecodeStack:
-    """``stack(input_ids, positions, metadata, kv_cache, sample_rows)`` -> the logits of a
-    decode step, or None where the step does not fit (a prompt token, too many tokens)."""
+    """``stack(input_ids, positions, metadata, kv_cache, sample_rows)`` -> (the logits of a
+    decode step's sampled rows, their argmax or None), or None where the step does not fit (a
+    prompt token, too many tokens)."""
 
     def __init__(
         self, model: LlamaForCausalLM, call: Any, max_tokens: int, holds_head: bool = False
@@ -115,9 +117,11 @@ class DecodeStack:
         metadata: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         sample_rows: torch.Tensor,  # [num_sampled]
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The step's logits where every row decodes one token and there are at most
-        ``max_tokens``, else None. The operator checks every index it reads (no plan is made)."""
+        ``max_tokens``, with each row's argmax (``torch.argmax``'s index: greedy sampling's
+        token) where the call holds the LM head, else None for it; None where the step does not
+        fit. The operator checks every index it reads (no plan is made)."""
         num_tokens = input_ids.shape[0]
         if not 0 < num_tokens <= self.max_tokens or metadata.max_query_len != 1:
             return None
@@ -132,14 +136,14 @@ class DecodeStack:
             metadata.context_lens,
         )
         if self.holds_head:
-            logits = self.call.logits(input_ids, *step)
+            logits, greedy_ids = self.call.logits(input_ids, *step)
             # a decode step's sampled rows are distinct and ascending: as many as its tokens is
             # every row (no tensor compared: each operator call counts after the weights' stream)
             if sample_rows.shape[0] == num_tokens:
-                return logits
-            return logits.index_select(0, sample_rows)
+                return logits, greedy_ids
+            return logits.index_select(0, sample_rows), greedy_ids.index_select(0, sample_rows)
         hidden = self.model.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        return self.model.compute_logits(self.call.run(hidden, *step), sample_rows)
+        return self.model.compute_logits(self.call.run(hidden, *step), sample_rows), None
 
 
 def unsupported(
@@ -196,6 +200,8 @@ def _head(model: LlamaForCausalLM) -> tuple[torch.Tensor, ...] | None:
     embedding, head = model.model.embed_tokens, model.lm_head
     vocab_size = head.vocab_size
     if not embedding.int8_out_features == head.int8_out_features == vocab_size:
+        return None
+    if vocab_size > ARGMAX_MAX_VALUES:  # (the rows its LM head's argmax takes)
         return None
     if type(model).compute_logits is not LlamaForCausalLM.compute_logits:
         return None

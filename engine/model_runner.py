@@ -162,6 +162,8 @@ class ModelRunner:
             if self.backend.name == "torch"
             else None
         )
+        # the argmax of the last ``run``'s logits rows where the decode stack gave it, else None
+        self.greedy_ids: torch.Tensor | None = None
         self.pad_single_token = False
         self.graphs: StepGraphs | DecodeGraphs
         if device.type == "cuda":
@@ -287,7 +289,7 @@ class ModelRunner:
         self.sampler.start_masks(batch.sample_request_ids)
         logits = self.forward(batch)
         with self._timed("sampling"):
-            return self.sampler.sample(logits, batch.sample_request_ids)
+            return self.sampler.sample(logits, batch.sample_request_ids, self.greedy_ids)
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's logits for its sampling rows, float32 ``[num_sampled, vocab_size]``."""
@@ -302,8 +304,10 @@ class ModelRunner:
     def run(self, inputs: ModelInput) -> torch.Tensor:
         """One forward pass over the flat inputs, on the device or, for CUDA graphs, on the host
         (a decode step there replays a graph: ``DecodeGraphs.replay``); on a CPU a decode step
-        the decode stack takes runs there; any other step plans its attention (checks, indices)
-        on the device, then runs the model as ``self.graphs`` decides."""
+        the decode stack takes runs there (leaving its rows' argmax in ``greedy_ids`` where it
+        gives one); any other step plans its attention (checks, indices) on the device, then runs
+        the model as ``self.graphs`` decides."""
+        self.greedy_ids = None
         with self._timed("forward"):
             if self.pad_single_token and inputs.num_tokens == 1 and self.graphs.mode == COMPILED:
                 inputs = pad_to_two_tokens(inputs)
@@ -315,14 +319,15 @@ class ModelRunner:
                 inputs = inputs.to(self.device)
             if self.decode_stack is not None:
                 with torch.inference_mode():
-                    logits = self.decode_stack(
+                    stacked = self.decode_stack(
                         inputs.input_ids,
                         inputs.positions,
                         inputs.metadata,
                         self.kv_cache,
                         inputs.sample_rows,
                     )
-                if logits is not None:
+                if stacked is not None:
+                    logits, self.greedy_ids = stacked
                     return logits
             plan = self.backend.plan(
                 inputs.positions, inputs.metadata, self.kv_cache, self.max_position

@@ -271,8 +271,16 @@ class Sampler:
         if self.matchers:
             self.matchers.start(request_ids)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str]) -> SamplerOutput:
-        """logits [num_rows, vocab_size], row i for ``request_ids[i]``; returns a token per row."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        greedy_ids: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """logits [num_rows, vocab_size], row i for ``request_ids[i]``; returns a token per row.
+        ``greedy_ids``: each row's argmax where the caller has it (the decode stack's LM head
+        takes it while its logits are in the threads' caches): the token of plain greedy rows
+        when no grammar masks them."""
         states = self._lookup(logits, request_ids)
         if not states:
             return SamplerOutput(token_ids=[], logprobs=[])
@@ -284,7 +292,8 @@ class Sampler:
             rows = self._rows(masks.rows, states)
             apply_bitmask(allowed, rows, masks.bitmask)
         if all(state.plain_greedy for state in states):
-            token_ids = greedy_argmax(allowed)  # [num_rows]
+            given = greedy_ids is not None and masks is None
+            token_ids = greedy_ids if given else greedy_argmax(allowed)  # [num_rows]
         else:
             token_ids = self._sample_processed(allowed, states)
         penalty_rows = [i for i, state in enumerate(states) if state.penalty_slot is not None]

@@ -49,6 +49,7 @@
 #include "blocked_linear.h"
 #include "fixed_order_attention.h"
 #include "float16_bits.h"
+#include "greedy_argmax.h"
 #include "int4_linear.h"
 
 #include <algorithm>
@@ -241,6 +242,8 @@ struct DecodeStack : torch::CustomClassHolder {
                 ": head_group must be 0 or a multiple of 32");
     if (head_group > 0) {  // the last four weights: the embedding's and the LM head's
       TORCH_CHECK(weights.size() > 4, kName, ": the embedding and the LM head are missing");
+      TORCH_CHECK(vocab_size > 0 && vocab_size <= kArgmaxMaxValues, kName,
+                  ": an LM head of 1 .. ", kArgmaxMaxValues, " rows");
       head_scales = weights.back(), weights.pop_back();
       head_packed = weights.back(), weights.pop_back();
       embed_scales = weights.back(), weights.pop_back();
@@ -379,11 +382,15 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // The step's logits [T, vocab_size] float32 (the LM head's float32 sums, not rounded to the
   // activations' dtype: as the model's quantized head gives them) from its token ids input_ids
-  // [T] (int64), where the stack holds the embedding and the LM head (head_group > 0); the rest
-  // as run.
-  at::Tensor logits(const at::Tensor& input_ids, const at::Tensor& positions, at::Tensor kv_cache,
-                    const at::Tensor& slots, const at::Tensor& block_tables,
-                    const at::Tensor& query_start, const at::Tensor& context_lens) {
+  // [T] (int64), where the stack holds the embedding and the LM head (head_group > 0), and each
+  // row's argmax [T] int64 as torch.argmax takes it (greedy sampling's token: each thread takes
+  // it over the columns it computed while they are in its caches); the rest as run.
+  std::tuple<at::Tensor, at::Tensor> logits(const at::Tensor& input_ids,
+                                            const at::Tensor& positions, at::Tensor kv_cache,
+                                            const at::Tensor& slots,
+                                            const at::Tensor& block_tables,
+                                            const at::Tensor& query_start,
+                                            const at::Tensor& context_lens) {
     TORCH_CHECK(head_group > 0, kName, ": this stack holds no embedding and LM head");
     TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) >= 1 &&
                     input_ids.size(0) <= max_tokens && input_ids.is_contiguous() &&
@@ -393,15 +400,19 @@ struct DecodeStack : torch::CustomClassHolder {
     for (int64_t t = 0; t < input_ids.size(0); ++t)
       TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab_size, kName, ": token ", t, " is id ", ids[t],
                   " of a vocabulary of ", vocab_size);
-    return step(input_ids, true, positions, kv_cache, slots, block_tables, query_start,
-                context_lens);
+    at::Tensor greedy = at::empty({input_ids.size(0)}, input_ids.options());
+    at::Tensor logits = step(input_ids, true, positions, kv_cache, slots, block_tables,
+                             query_start, context_lens, &greedy);
+    return {logits, greedy};
   }
 
  private:
   // run (tokens: the embeddings) or logits (tokens: the ids), checked but for the step's indices
+  // (greedy: where given, [T] int64 for the logits' argmax)
   at::Tensor step(const at::Tensor& tokens, bool from_ids, const at::Tensor& positions,
                   at::Tensor kv_cache, const at::Tensor& slots, const at::Tensor& block_tables,
-                  const at::Tensor& query_start, const at::Tensor& context_lens) {
+                  const at::Tensor& query_start, const at::Tensor& context_lens,
+                  at::Tensor* greedy = nullptr) {
     const int64_t T = tokens.size(0), H = hidden_size, D = head_dim;
     check(T, positions, kv_cache, slots, block_tables, query_start, context_lens);
     const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
@@ -473,6 +484,8 @@ struct DecodeStack : torch::CustomClassHolder {
     std::vector<float> shared_runs(share_rows ? 2 * (T * max_in / 32) : 0);
 
     const bool int8 = kind == Kind::kInt4;
+    // each thread's argmax of each row over the LM head's columns it computed (index -1: none)
+    std::vector<RangeArgmax> argmaxes(greedy != nullptr ? threads * T : 0, {-1, 0.0f, false});
 #pragma omp parallel num_threads(threads)
     {
       const int P = omp_get_num_threads(), me = omp_get_thread_num();
@@ -633,6 +646,10 @@ struct DecodeStack : torch::CustomClassHolder {
         int4.columns8(q8, d8, s8, T, H, vocab_size, head_packed.data_ptr<uint8_t>(),
                       reinterpret_cast<const uint16_t*>(head_scales.data_ptr<at::Half>()),
                       head_group, b0, b1, tile_out, logits_ptr);
+        const int64_t c0 = b0 * kCols, c1 = std::min(vocab_size, b1 * kCols);
+        if (greedy != nullptr && c0 < c1)
+          for (int64_t t = 0; t < T; ++t)
+            argmaxes[me * T + t] = range_argmax(logits_ptr + t * vocab_size, c0, c1);
       } else if (me == 0) {
         norm(final_norm, x.data(), false);
         if (bf16) {
@@ -641,6 +658,17 @@ struct DecodeStack : torch::CustomClassHolder {
         } else {
           std::memcpy(out.data_ptr<float>(), rows_in, sizeof(float) * T * H);
         }
+      }
+    }
+    if (greedy != nullptr) {  // the threads' ranges in column order (thread p's come before p + 1's)
+      int64_t* ids = greedy->data_ptr<int64_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        RangeArgmax best{-1, 0.0f, false};
+        for (int p = 0; p < threads; ++p) {
+          const RangeArgmax& part = argmaxes[p * T + t];
+          if (part.index >= 0) best = best.index < 0 ? part : join_ranges(best, part);
+        }
+        ids[t] = best.index;
       }
     }
     return out;

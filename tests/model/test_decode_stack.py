@@ -209,8 +209,11 @@ def test_a_step_from_token_ids_gives_the_model_logits(tiny_llama_dir, dtype):
     assert stack.holds_head
     _, positions, cache, slots, tables, query_start, context_lens = step_inputs(engine)
     ids = torch.tensor([7])
-    logits = stack.call.logits(ids, positions, cache, slots, tables, query_start, context_lens)
+    logits, greedy = stack.call.logits(
+        ids, positions, cache, slots, tables, query_start, context_lens
+    )
     assert logits.shape == (1, engine.model_config.vocab_size) and logits.dtype == torch.float32
+    assert torch.equal(greedy, logits.argmax(dim=-1))
     hidden = stack.model.model.embed_tokens(ids)
     cache.zero_()
     again = stack.call.run(hidden, positions, cache, slots, tables, query_start, context_lens)
@@ -235,6 +238,35 @@ def test_a_step_from_token_ids_gives_the_model_logits(tiny_llama_dir, dtype):
         stack.call.logits(ids, *bad[1:])
 
 
+def test_the_argmax_joins_the_threads_columns_as_torch_argmax(tiny_llama_dir):
+    """Each thread takes the argmax of the LM head's columns it computed; joined in column order
+    they give torch.argmax's index: the first of equal maxima, a NaN the largest (the first)."""
+    engine = int4_engine(tiny_llama_dir, "float32")
+    stack = engine.runner.decode_stack
+    scales = stack.model.lm_head.qscales  # [blocks, groups, 16] float16, the call's own
+    _, positions, cache, slots, tables, query_start, context_lens = step_inputs(engine)
+    vocab = engine.model_config.vocab_size
+    late = vocab - 5  # a column of the last thread's share
+
+    def greedy() -> int:
+        ids = torch.tensor([7])
+        logits, greedy = stack.call.logits(
+            ids, positions, cache, slots, tables, query_start, context_lens
+        )
+        assert torch.equal(greedy, logits.argmax(dim=-1))
+        return int(greedy)
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: no columns to join")
+    greedy()  # the model's own logits
+    scales.zero_()  # every logit 0: equal maxima in every thread's columns, the first wins
+    assert greedy() == 0
+    scales[late // 16, :, late % 16] = float("nan")  # a NaN in the last thread's columns
+    assert greedy() == late
+    scales[3 // 16, :, 3 % 16] = float("nan")  # and one in the first's
+    assert greedy() == 3
+
+
 def test_only_the_sampled_rows_logits(tiny_llama_dir):
     engine = int4_engine(tiny_llama_dir, "float32")
     runner = engine.runner
@@ -243,7 +275,7 @@ def test_only_the_sampled_rows_logits(tiny_llama_dir):
     every = run(engine, decodes)
     runner.kv_cache.copy_(before)
     inputs = build_model_input(ScheduledBatch(rows=tuple(decodes)), block_size=BLOCK_SIZE)
-    some = runner.decode_stack(
+    some, greedy = runner.decode_stack(
         inputs.input_ids,
         inputs.positions,
         inputs.metadata,
@@ -251,6 +283,7 @@ def test_only_the_sampled_rows_logits(tiny_llama_dir):
         torch.tensor([2, 0]),
     )
     assert torch.equal(some, every[[2, 0]])
+    assert torch.equal(greedy, every[[2, 0]].argmax(dim=-1))
 
 
 def test_where_the_stack_applies(tiny_llama_dir, tiny_qwen2_dir):

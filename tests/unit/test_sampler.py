@@ -116,6 +116,20 @@ def test_greedy_takes_the_argmax_of_every_row() -> None:
     assert sampler.sample(logits, request_ids).token_ids == logits.argmax(dim=-1).tolist()
 
 
+def test_greedy_ids_given_are_the_plain_greedy_rows_tokens() -> None:
+    """The caller's argmax (the decode stack's) is taken as is where every row is plain greedy,
+    and left where one is not (a bias: the processed logits' argmax)."""
+    sampler = Sampler(VOCAB_SIZE, CPU, seed=0)
+    add(sampler, "a", temperature=0.0)
+    add(sampler, "b", temperature=0.0)
+    logits = torch.randn(2, VOCAB_SIZE, generator=torch.Generator().manual_seed(3))
+    given = torch.tensor([5, 9])  # (not the argmax: shows which was taken)
+    assert sampler.sample(logits, ["a", "b"], given).token_ids == [5, 9]
+    add(sampler, "biased", temperature=0.0, logit_bias={3: 100.0})
+    output = sampler.sample(logits, ["a", "biased"], given)
+    assert output.token_ids == [int(logits[0].argmax()), 3]
+
+
 def test_greedy_rows_beside_random_rows_still_take_the_argmax() -> None:
     sampler = Sampler(VOCAB_SIZE, CPU, seed=0)
     add(sampler, "greedy", temperature=0.0)
