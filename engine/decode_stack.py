@@ -21,7 +21,8 @@ Where the embedding and the LM head are 8-bit packed as ``PackedInt8`` (a 4-bit 
 default model's GGUF holds its tied ``Q8_0`` table), the call also looks the tokens up and runs
 the LM head (``int8_linear``'s kernel, the threads sharing the vocabulary): a step goes from
 token ids to logits in one call, without the embedding's and the head's own calls, conversions
-and fork of the threads.
+and fork of the threads; each thread also takes the argmax of the logits it computed, which the
+sampler uses for greedy rows (``Sampler.sample``'s ``greedy_ids``).
 """
 
 from __future__ import annotations
