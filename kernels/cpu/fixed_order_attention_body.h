@@ -140,6 +140,23 @@ static inline void split_pairs(const float* in, v16& even, v16& odd) {
   odd = __builtin_shufflevector(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// split_pairs' inverse for float32: the even and the odd dims of 32 values stored in their order
+static inline void store_pairs(float* out, v16 even, v16 odd) {
+  store16(out, __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6,
+                                       22, 7, 23));
+  store16(out + kLanes, __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28,
+                                                13, 29, 14, 30, 15, 31));
+}
+
+// A block's n <= kBlock scores into w: a whole block as one vector (a copy of variable length
+// compiled to `rep movsq`, ~6% of a call of 32 decode tokens)
+static inline void store_scores(float* w, v16 scores, int64_t n) {
+  if (n == kBlock)
+    store16(w, scores);
+  else
+    __builtin_memcpy(w, &scores, n * sizeof(float));
+}
+
 static inline void split_pairs(const Fp16* in, v16& even, v16& odd) {
   float widened[32];
   for (int d = 0; d < 32; ++d) widened[d] = to_float(in[d]);
@@ -336,11 +353,7 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
       }
     }
     for (int h = 0; h < HG; ++h) {
-      const v16 scores = lane_trees16(acc[h]) * a.scale;
-      if (n == kBlock)
-        store16(weights + h * length + p0, scores);
-      else
-        __builtin_memcpy(weights + h * length + p0, &scores, n * sizeof(float));
+      store_scores(weights + h * length + p0, lane_trees16(acc[h]) * a.scale, n);
     }
   }
   float totals[HG];
@@ -362,25 +375,14 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
     }
   }
   for (int h = 0; h < HG; ++h) {
-    if constexpr (std::is_same_v<QueryT, Bf16>) {
-      // per lane the division and the rounding of from_float (c10::BFloat16: to nearest even,
-      // a NaN as 0x7FC0), 32 dims at a time: the same bits as one value at a time (32 decode
-      // tokens at context 256, with the full blocks' scores stored whole: 231 -> 208 us a call
-      // in the caches, 309 -> 289 us from memory; float32 queries 235 -> 213 / 319 -> 301 us)
+    if constexpr (std::is_same_v<QueryT, Bf16> || std::is_same_v<QueryT, float>) {
+      // per lane the division (and for bfloat16 the rounding of from_float), 32 dims at a time:
+      // the same bits as one value at a time (32 decode tokens at context 256, with the full
+      // blocks' scores stored whole: 231 -> 208 us a call in the caches, 309 -> 289 us from
+      // memory; float32 queries 235 -> 213 / 319 -> 301 us)
       const v16 total = splat16(totals[h]);
       for (int c = 0; c < C; c += 2)
         store_pairs(out_rows[h] + c * kLanes, out[h][c] / total, out[h][c + 1] / total);
-    } else if constexpr (std::is_same_v<QueryT, float>) {  // the dims back in their order
-      const v16 total = splat16(totals[h]);
-      for (int c = 0; c < C; c += 2) {
-        const v16 even = out[h][c] / total, odd = out[h][c + 1] / total;
-        store16(out_rows[h] + c * kLanes, __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18,
-                                                                  3, 19, 4, 20, 5, 21, 6, 22, 7,
-                                                                  23));
-        store16(out_rows[h] + c * kLanes + kLanes,
-                __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29,
-                                        14, 30, 15, 31));
-      }
     } else {
       float widened[D];
       for (int c = 0; c < C; ++c) store16(widened + c * kLanes, out[h][c]);
@@ -514,11 +516,7 @@ static void buffer_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
           }
           acc[i] = acc0, acc[i + 1] = acc1, acc[i + 2] = acc2, acc[i + 3] = acc3;
         }
-        const v16 scores = lane_trees16(acc) * a.scale;
-        if (n == kBlock)
-          store16(weights.data() + h * length + p0, scores);
-        else
-          __builtin_memcpy(weights.data() + h * length + p0, &scores, n * sizeof(float));
+        store_scores(weights.data() + h * length + p0, lane_trees16(acc) * a.scale, n);
       }
     }
     for (int64_t h = 0; h < heads; ++h)
