@@ -45,6 +45,7 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#include <sched.h>
 
 #include "blocked_linear.h"
 #include "fixed_order_attention.h"
@@ -53,9 +54,11 @@
 #include "int4_linear.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -185,6 +188,36 @@ std::pair<int64_t, int64_t> share(int64_t n, int threads, int me) {
   const int64_t chunk = (n + threads - 1) / threads;
   return {std::min(n, me * chunk), std::min(n, (me + 1) * chunk)};
 }
+
+// The threads of a parallel region meeting: each arrival counts; the last one resets the count
+// and moves the generation on, which the others wait for spinning (then yielding the CPU, where
+// a thread may have lost it). The count's acquire-release and the generation's release/acquire
+// order every thread's writes before the meeting before every read after it.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int threads) : threads_(threads) {}
+
+  void wait() {
+    const int64_t generation = generation_.load(std::memory_order_relaxed);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < kSpins)
+        __builtin_ia32_pause();
+      else
+        sched_yield();
+    }
+  }
+
+ private:
+  static constexpr int64_t kSpins = 1 << 16;
+  const int threads_;
+  alignas(64) std::atomic<int> count_{0};
+  alignas(64) std::atomic<int64_t> generation_{0};
+};
 
 // How a stack's products hold their weights (every product of a stack alike)
 enum class Kind : int64_t {
@@ -486,9 +519,15 @@ struct DecodeStack : torch::CustomClassHolder {
     const bool int8 = kind == Kind::kInt4;
     // each thread's argmax of each row over the LM head's columns it computed (index -1: none)
     std::vector<RangeArgmax> argmaxes(greedy != nullptr ? threads * T : 0, {-1, 0.0f, false});
+    // the threads' meetings (made once the region's thread count is known): spinning on one
+    // cache line, ~35 us a step less waiting than OpenMP's barrier (150 meetings a step)
+    std::optional<SpinBarrier> meeting;
 #pragma omp parallel num_threads(threads)
     {
       const int P = omp_get_num_threads(), me = omp_get_thread_num();
+#pragma omp single
+      meeting.emplace(P);  // (a single ends at a barrier)
+      const auto barrier = [&] { meeting->wait(); };
       float* residual = own.data() + me * own_floats;
       float* rows_in = residual + T * H;
       float* d8 = rows_in + T * max_in;
@@ -522,9 +561,7 @@ struct DecodeStack : torch::CustomClassHolder {
         } else {  // bfloat16 values: their bits
           for (int64_t i = r0 * K; i < r1 * K; ++i) x16[i] = bf16_bits(in[i]);
         }
-        if (share_rows) {
-#pragma omp barrier
-        }
+        if (share_rows) barrier();
       };
       // this thread's column blocks [block_begin, block_end) of product_out [T, N] = the rows
       // last prepared times the weight, rounded to the activations' dtype
@@ -578,7 +615,7 @@ struct DecodeStack : torch::CustomClassHolder {
         } else {
           multiply(layer.qkv, qkv.data(), b0, b1);
         }
-#pragma omp barrier
+        barrier();
         // a few tokens' contexts loaded into the caches, one byte a line (every KV head's),
         // the threads sharing the blocks; the positions before each token's own, which its
         // attention item stores now
@@ -612,12 +649,12 @@ struct DecodeStack : torch::CustomClassHolder {
           }
         }
         if (i0 < i1) splitfuse_fixed_order::attend_items(args, i0, i1);
-#pragma omp barrier
+        barrier();
         round_into(attended.data(), rows_in, T * q_size, bf16);
         prepare(rows_in, q_size, int8);
         const auto [o0, o1] = share(layer.o.blocks(), P, me);
         multiply(layer.o, projected.data(), o0, o1);
-#pragma omp barrier
+        barrier();
         norm(layer.post_norm, projected.data(), false);
         prepare(rows_in, H, int8);
         // gate column blocks [g0, g1) and the up blocks I apart, then SiLU(gate) * up there
@@ -630,11 +667,11 @@ struct DecodeStack : torch::CustomClassHolder {
           silu_mul(gate, gate + I, act.data() + t * I + g0 * block_cols, (g1 - g0) * block_cols,
                    bf16);
         }
-#pragma omp barrier
+        barrier();
         prepare(act.data(), I, int8);
         const auto [n0, n1] = share(layer.down.blocks(), P, me);
         multiply(layer.down, x.data(), n0, n1);
-#pragma omp barrier
+        barrier();
       }
       if (from_ids) {
         // every thread the final norm and its rows rounded to int8, then its share of the LM
