@@ -519,8 +519,9 @@ struct DecodeStack : torch::CustomClassHolder {
     const bool int8 = kind == Kind::kInt4;
     // each thread's argmax of each row over the LM head's columns it computed (index -1: none)
     std::vector<RangeArgmax> argmaxes(greedy != nullptr ? threads * T : 0, {-1, 0.0f, false});
-    // the threads' meetings (made once the region's thread count is known): spinning on one
-    // cache line, ~35 us a step less waiting than OpenMP's barrier (150 meetings a step)
+    // the threads' meetings (made once the region's thread count is known): a waiting thread
+    // spins on one cache line; ~35 us a step less waiting than OpenMP's barrier at one stream's
+    // 150 meetings a step
     std::optional<SpinBarrier> meeting;
 #pragma omp parallel num_threads(threads)
     {
