@@ -40,7 +40,9 @@ from kernels.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 MAX_TOKENS = 32  # decode steps of at most this many tokens; larger ones go to the step graphs
-ARGMAX_MAX_VALUES = 1 << 20  # the largest vocabulary whose LM head the call holds (its argmax's)
+# the largest vocabulary whose LM head the call holds: its argmax's limit, kArgmaxMaxValues in
+# kernels/cpu/greedy_argmax.h (the call refuses a larger one; the runner then goes without it)
+ARGMAX_MAX_VALUES = 1 << 20
 
 
 class DecodeStack:

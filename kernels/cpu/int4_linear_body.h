@@ -190,10 +190,7 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
       // steps, alternated in one engine (1.0 = before): 8 streams 0.846, 32 streams 0.962 (one
       // row: unchanged); one thread alone, weights from memory: 32 rows 0.88-0.93, 8 rows
       // 0.62-0.87 (the LM head's 8-bit product gains the most).
-      if constexpr (ROWS <= 2) {
-        for (int c = 0; c < CB; ++c)
-          __builtin_prefetch(packed + CB * block_bytes + (k8 * CB + c) * 64, 0, 2);
-      } else if (k8 == fetch_at) {
+      if (ROWS <= 2 || k8 == fetch_at) {  // (one or two rows: every step)
         for (int c = 0; c < CB; ++c)
           __builtin_prefetch(packed + CB * block_bytes + (k8 * CB + c) * 64, 0, 2);
         fetch_at += fetch_every;
