@@ -10,11 +10,14 @@ Limits, measured first:
     matmul FLOP/s    a large matrix product in the serving dtype (and float32, for reference)
 
 Then the engine on the model (compiled step graphs, as ``splitfuse serve`` runs them):
-    one stream       median decode step vs weight bytes read per step / read bandwidth
-                     (target: <= 1.3x); quantized, the bytes are the quantized weights' (values,
-                     scales and mins). The steps run in rounds, each after a bandwidth reading
-                     of its own, and the median of the rounds' ratios is printed too: a shared
-                     host's load moves the bandwidth between runs far more than within a round
+    one stream       median time per output token vs weight bytes read per decode step / read
+                     bandwidth (target: <= 1.3x); a token's time is its decode step's, or where
+                     the engine runs several decode steps per pass (``num_scheduler_steps``)
+                     the pass's time over its tokens; quantized, the bytes are the quantized
+                     weights' (values, scales and mins). The steps run in rounds, each after a
+                     bandwidth reading of its own, and the median of the rounds' ratios is
+                     printed too: a shared host's load moves the bandwidth between runs far
+                     more than within a round
     32 streams       output tokens/s of 32 requests decoding at context ~256, vs one stream
                      (target: >= 4x); they run in each round too, after its one stream, and the
                      median of the rounds' ratios is the figure (the host's load moves a step's
@@ -146,37 +149,48 @@ def matmul_flops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> floa
 
 
 def decode_step_seconds(
-    engine: LLMEngine, num_streams: int, context: int, steps: int, tag: str = ""
+    engine: LLMEngine,
+    num_streams: int,
+    context: int,
+    steps: int,
+    tag: str = "",
+    streamed: bool = False,
 ) -> float:
-    """Median time of a step in which ``num_streams`` requests at context ~``context`` each
-    decode one token."""
+    """Median time of a decode step of ``num_streams`` requests at context ~``context`` (each
+    decodes a token): an engine step's time, or where the step runs several decode steps (a pass
+    of ``num_scheduler_steps``) its time over the tokens each request got from it. ``streamed``:
+    the requests are added as streamed ones (a decode step per pass)."""
     prompts = _random_prompts(num_streams, context, engine.model_config.vocab_size, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for index, prompt in enumerate(prompts):
-        engine.add_request(f"decode{tag}-{num_streams}-{index}", prompt, params)
+        request_id = f"decode{tag}-{num_streams}-{index}{'-streamed' if streamed else ''}"
+        engine.add_request(request_id, prompt, params, streamed=streamed)
     times = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         seconds = time.perf_counter() - start
-        # a pure decode step: one token per running request
-        if engine.stats().last_step_num_tokens == num_streams and engine.stats().num_waiting == 0:
-            times.append(seconds)
+        tokens = sum(len(output.new_token_ids) for output in outputs)
+        # a pure decode step: one token (or one per pass's step) per running request
+        stats = engine.stats()
+        if stats.last_step_num_tokens == num_streams and stats.num_waiting == 0 and tokens:
+            times.append(seconds * num_streams / tokens)
     return statistics.median(times[1:] or times)
 
 
 def decode_rounds(
     engine: LLMEngine, sizes: list[int], steps: int, rounds: int = 6
-) -> list[tuple[float, float, float]]:
-    """(read bandwidth, median one-stream decode step, median 32-stream decode step, both at
-    context ~256) of each round: the bandwidth is measured (best of 3 passes) right before the
-    round's steps, so that the three see the same load of a shared host; the read floor moves
-    with it between runs (25-48 GB/s on one machine in a day)."""
+) -> list[tuple[float, float, float, float]]:
+    """(read bandwidth, median one-stream decode step, the same streamed, median 32-stream
+    decode step, all at context ~256) of each round: the bandwidth is measured (best of 3 passes)
+    right before the round's steps, so that they see the same load of a shared host; the read
+    floor moves with it between runs (25-48 GB/s on one machine in a day)."""
     tensors = read_tensors(sizes)
     return [
         (
             best_read(tensors, passes=3),
             decode_step_seconds(engine, 1, 256, steps, f"-{round_}"),
+            decode_step_seconds(engine, 1, 256, steps, f"-{round_}", streamed=True),
             decode_step_seconds(engine, 32, 256, steps, f"-{round_}"),
         )
         for round_ in range(rounds)
@@ -221,6 +235,8 @@ def _run_server(args: argparse.Namespace, port: int, log_path: str, workload: An
         "serve", args.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
         "--quantization", args.quantization, "--log-level", "info",
     ]  # fmt: skip
+    if args.scheduler_steps is not None:
+        command += ["--num-scheduler-steps", str(args.scheduler_steps)]
     log_file = open(log_path, "w")  # noqa: SIM115 - the server's whole life
     server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO)
     try:
@@ -271,6 +287,12 @@ def main() -> int:
     parser.add_argument("--prefill-prompts", type=int, default=64)
     parser.add_argument("--served-requests", type=int, default=64)
     parser.add_argument("--quantization", default="none", help="none, int8, int4 or auto")
+    parser.add_argument(
+        "--scheduler-steps",
+        type=int,
+        default=None,
+        help="decode steps per scheduling pass (default: the engine's)",
+    )
     parser.add_argument("--skip-served", action="store_true", help="no server run")
     parser.add_argument("--skip-prefill", action="store_true", help="no prefill run")
     args = parser.parse_args()
@@ -285,6 +307,7 @@ def main() -> int:
             compile=True,
             kv_cache_memory="2GiB",
             quantization=args.quantization,
+            num_scheduler_steps=args.scheduler_steps,
         )
     )
     ready = time.perf_counter() - start
@@ -299,7 +322,8 @@ def main() -> int:
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; torch {torch.__version__}")
     print(
         f"model: {engine.model_name} ({config.num_layers} layers, hidden {config.hidden_size}), "
-        f"{engine.config.dtype}, quantization {engine.config.quantization.method}; "
+        f"{engine.config.dtype}, quantization {engine.config.quantization.method}, "
+        f"{engine.num_scheduler_steps} decode step(s) per pass; "
         f"ready in {ready:.1f} s, graphs compiled after {compiled:.1f} s "
         f"({engine.runner.graphs.mode})"
     )
@@ -313,8 +337,8 @@ def main() -> int:
     print()
     rows = []
     rounds = decode_rounds(engine, weight_sizes, args.decode_steps)
-    one = statistics.median(step for _, step, _ in rounds)
-    ratios = sorted(step * read / weight_bytes for read, step, _ in rounds)
+    one = statistics.median(step for _, step, _, _ in rounds)
+    ratios = sorted(step * read / weight_bytes for read, step, _, _ in rounds)
     floor = weight_bytes / bandwidth
     rows.append(
         ("one stream decoding", f"{one * 1e3:.1f} ms/step", f"{one / floor:.2f}x the read floor "
@@ -323,11 +347,18 @@ def main() -> int:
     rows.append(
         ("  the floor read beside it", f"{len(rounds)} rounds",
          f"{statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x; read "
-         f"{min(r for r, _, _ in rounds) / 1e9:.0f}-{max(r for r, _, _ in rounds) / 1e9:.0f} "
+         f"{min(r for r, *_ in rounds) / 1e9:.0f}-{max(r for r, *_ in rounds) / 1e9:.0f} "
          "GB/s)", "<= 1.3x")
     )  # fmt: skip
-    many = statistics.median(step for _, _, step in rounds)
-    gains = sorted(32 * one_step / many_step for _, one_step, many_step in rounds)
+    streamed = statistics.median(step for _, _, step, _ in rounds)
+    streamed_ratios = sorted(step * read / weight_bytes for read, _, step, _ in rounds)
+    rows.append(
+        ("  streamed (a step per pass)", f"{streamed * 1e3:.1f} ms/step",
+         f"{streamed / floor:.2f}x the first read; {statistics.median(streamed_ratios):.2f}x "
+         f"beside each round ({streamed_ratios[0]:.2f}-{streamed_ratios[-1]:.2f}x)", "")
+    )  # fmt: skip
+    many = statistics.median(step for *_, step in rounds)
+    gains = sorted(32 * one_step / many_step for _, one_step, _, many_step in rounds)
     rows.append(
         ("32 streams decoding, ctx 256", f"{32 / many:.0f} tok/s ({many * 1e3:.0f} ms/step)",
          f"{statistics.median(gains):.1f}x one stream in its round (rounds {gains[0]:.1f}-"

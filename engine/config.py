@@ -8,6 +8,8 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# decode steps per scheduling pass where the engine can run several (num_scheduler_steps None)
+DEFAULT_SCHEDULER_STEPS = 4
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -167,6 +169,16 @@ class EngineConfig(BaseModel):
     )
     fair_share: bool = Field(
         False, description="share each step's prompt-token budget between tenants"
+    )
+    num_scheduler_steps: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="decode steps a batch runs per scheduling pass where every request in it "
+        "decodes greedily with no logprobs, penalties, logit_bias or structured output and no "
+        "prompt waits (tokens then reach streams in bursts of that many; a request that arrives "
+        "meanwhile waits for the pass). Needs the CPU decode stack with the 8-bit LM head; None: "
+        f"{DEFAULT_SCHEDULER_STEPS} there, else 1",
     )
     deterministic: bool = Field(
         False,

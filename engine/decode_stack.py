@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from engine.input_builder import DecodeSteps
 from engine.layers import MatmulLayer
 from engine.models.llama import MLP, LlamaForCausalLM
 from engine.parallel import ParallelContext
@@ -147,6 +148,30 @@ class DecodeStack:
             return logits.index_select(0, sample_rows), greedy_ids.index_select(0, sample_rows)
         hidden = self.model.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         return self.model.compute_logits(self.call.run(hidden, *step), sample_rows), None
+
+    def run_ahead(self, steps: DecodeSteps, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of several decode steps, [num_steps, num_rows] int64: each step's
+        argmax of the LM head is the next step's input (needs ``holds_head``). Between the calls
+        only views are taken: no scheduling, inputs or sampling."""
+        if not self.holds_head:
+            raise ValueError("several decode steps in one pass need the LM head in the call")
+        num_rows = steps.input_ids.shape[0]
+        if not 0 < num_rows <= self.max_tokens:
+            raise ValueError(f"{num_rows} rows: the stack takes 1 to {self.max_tokens}")
+        token_ids = steps.input_ids
+        sampled = []
+        for step in range(steps.num_steps):
+            _, token_ids = self.call.logits(
+                token_ids,
+                steps.positions[step],
+                kv_cache,
+                steps.slot_mapping[step],
+                steps.block_tables,
+                steps.query_start,
+                steps.context_lens[step],
+            )
+            sampled.append(token_ids)
+        return torch.stack(sampled)
 
 
 def unsupported(

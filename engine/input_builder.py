@@ -114,6 +114,82 @@ def build_model_input(
     )
 
 
+@dataclass(frozen=True)
+class DecodeSteps:
+    """The inputs of a batch of several decode steps (``ScheduledBatch.num_steps``): each row's
+    token at the first step, and per step its position, slot and context length. Worked example,
+    block_size 4, two steps, rows a (token 50 at position 6, blocks [3, 8]) and b (token 60 at
+    position 1, blocks [2]):
+
+        input_ids    [50, 60]
+        positions    [[6, 1], [7, 2]]
+        slot_mapping [[34, 9], [35, 10]]
+        context_lens [[7, 2], [8, 3]]
+        query_start  [0, 1, 2]
+        block_tables [[3, 8], [2, 0]]
+    """
+
+    input_ids: torch.Tensor  # [num_rows] int64
+    positions: torch.Tensor  # [num_steps, num_rows] int64
+    slot_mapping: torch.Tensor  # [num_steps, num_rows] int64
+    context_lens: torch.Tensor  # [num_steps, num_rows] int32
+    query_start: torch.Tensor  # [num_rows + 1] int32: a token a row
+    block_tables: torch.Tensor  # [num_rows, max_blocks] int32, covering every step
+
+    @property
+    def num_steps(self) -> int:
+        return self.positions.shape[0]
+
+
+def build_decode_steps(
+    batch: ScheduledBatch, block_size: int, device: torch.device | str = "cpu"
+) -> DecodeSteps:
+    """The inputs of ``batch``'s ``num_steps`` decode steps on ``device``. Raises ValueError for
+    an empty batch, a row that is not one sampled token, or a block table that does not cover
+    the last step."""
+    num_steps = batch.num_steps
+    if batch.is_empty:
+        raise ValueError("cannot build inputs for an empty batch")
+    input_ids: list[int] = []
+    starts: list[int] = []
+    row_tables: list[tuple[int, ...]] = []
+    for row in batch.rows:
+        num_blocks = -(-(row.start_pos + num_steps) // block_size)
+        if row.num_tokens != 1 or not row.sample:
+            raise ValueError(f"row {row.request_id!r} is not one decode token")
+        if num_blocks > len(row.block_table):
+            raise ValueError(
+                f"row {row.request_id!r}: {num_steps} steps from position {row.start_pos} need "
+                f"{num_blocks} blocks, its block table has {len(row.block_table)}"
+            )
+        input_ids.append(row.token_ids[0])
+        starts.append(row.start_pos)
+        row_tables.append(row.block_table[:num_blocks])
+    positions = [[start + step for start in starts] for step in range(num_steps)]
+    slot_mapping = [
+        [
+            table[p // block_size] * block_size + p % block_size
+            for table, p in zip(row_tables, step_positions, strict=True)
+        ]
+        for step_positions in positions
+    ]
+    max_blocks = max(len(table) for table in row_tables)
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return DecodeSteps(
+        input_ids=tensor(input_ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        slot_mapping=tensor(slot_mapping, torch.int64),
+        context_lens=tensor([[p + 1 for p in ps] for ps in positions], torch.int32),
+        query_start=tensor(list(range(len(starts) + 1)), torch.int32),
+        block_tables=tensor(
+            [list(table) + [0] * (max_blocks - len(table)) for table in row_tables], torch.int32
+        ),
+    )
+
+
 def pad_to_two_tokens(inputs: ModelInput) -> ModelInput:
     """A one-token step as two rows: the token, then a copy that stores no K/V (slot -1) and is
     never sampled; the copy reads the same context and its output is dropped. Deterministic mode

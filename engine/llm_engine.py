@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.config import DEFAULT_MODEL, DEFAULT_SCHEDULER_STEPS, EngineConfig
 from engine.device import resolve_attention_backend, resolve_device, resolve_dtype
 from engine.executor import ExecutorFailedError, start_executor
 from engine.model_config import ModelConfig
@@ -162,6 +162,19 @@ class LLMEngine:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        # several decode steps per pass where the runner can take them (the decode stack)
+        decode_rows = self.runner.max_decode_ahead_rows
+        num_steps = config.num_scheduler_steps
+        if num_steps is None:
+            num_steps = DEFAULT_SCHEDULER_STEPS if decode_rows else 1
+        elif num_steps > 1 and not decode_rows:
+            self.executor.shutdown()
+            raise ValueError(
+                f"num_scheduler_steps {num_steps} needs the CPU decode stack with an 8-bit LM "
+                "head (one process, 4-bit products or bfloat16 with AVX-512 BF16, embeddings "
+                "int8, not deterministic); this engine has none: set it to 1"
+            )
+        self.num_scheduler_steps = num_steps
         self.scheduler = Scheduler(
             config.max_batch_tokens,
             config.max_batch_seqs,
@@ -169,6 +182,8 @@ class LLMEngine:
             self.kv_manager,
             policy=config.scheduling_policy,
             fair_share=config.fair_share,
+            max_decode_steps=num_steps,
+            max_decode_rows=decode_rows,
         )
         self._last_step_num_tokens = 0
         self._last_step_seconds = 0.0
@@ -198,9 +213,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         tenant: str = "",
+        streamed: bool = False,
     ) -> None:
         """Queues a request (``priority``: lower first under the ``priority`` policy; ``tenant``:
-        whose share of the prompt budget it takes under ``fair_share``). Raises ValueError
+        whose share of the prompt budget it takes under ``fair_share``; ``streamed``: its tokens
+        are sent as they come, so its batches run one decode step per pass). Raises ValueError
         (changing nothing) on an empty prompt, a token id outside the vocabulary, a prompt too
         long for max_model_len, an id in use, or a structured output the engine cannot run
         (GrammarError)."""
@@ -231,6 +248,7 @@ class LLMEngine:
             group_id=group_id,
             priority=priority,
             tenant=tenant,
+            streamed=streamed,
         )
         self.scheduler.add_request(request)
 
@@ -283,14 +301,21 @@ class LLMEngine:
         with self._timed_scheduling():
             requests = self.scheduler.update(batch, token_ids)
         outputs = failed
-        # update() skips requests aborted since schedule(), so pair tokens by request id.
-        by_id = dict(zip(batch.sample_request_ids, range(len(token_ids)), strict=True))
-        for request in requests:
-            index = by_id[request.request_id]
-            logprob = logprobs[index]
-            outputs.append(
-                _output(request, [token_ids[index]], None if logprob is None else [logprob])
-            )
+        if batch.num_steps > 1:  # each request's tokens past its row's first position
+            starts = {row.request_id: row.start_pos + 1 for row in batch.rows}
+            for request in requests:
+                outputs.append(
+                    _output(request, request.token_ids[starts[request.request_id] :], None)
+                )
+        else:
+            # update() skips requests aborted since schedule(), so pair tokens by request id.
+            by_id = dict(zip(batch.sample_request_ids, range(len(token_ids)), strict=True))
+            for request in requests:
+                index = by_id[request.request_id]
+                logprob = logprobs[index]
+                outputs.append(
+                    _output(request, [token_ids[index]], None if logprob is None else [logprob])
+                )
         self._last_step_num_tokens = batch.num_tokens
         self._last_step_seconds = time.perf_counter() - start
         return outputs
@@ -328,6 +353,7 @@ class LLMEngine:
                 new_requests=tuple(
                     new_requests[row.request_id] for row in rows if row.request_id in new_requests
                 ),
+                num_steps=batch.num_steps,
             )
             try:
                 result = self.executor.execute(part)
@@ -362,7 +388,8 @@ class LLMEngine:
         self.executor.drop_requests(culprits)
         if culprits:
             logger.error("error id %s: failed requests %s", error_id, ", ".join(culprits))
-        results = [sampled.get(i, (-1, None)) for i in batch.sample_request_ids]
+        missing = -1 if batch.num_steps == 1 else [-1] * batch.num_steps  # (aborted: unused)
+        results = [sampled.get(i, (missing, None)) for i in batch.sample_request_ids]
         token_ids = [token_id for token_id, _ in results]
         return token_ids, [logprob for _, logprob in results], failed, dead_ends
 

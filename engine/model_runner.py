@@ -21,7 +21,12 @@ from engine.deterministic_rows import PROBE_ROWS
 from engine.device import release_free_memory
 from engine.gguf_quantized import read_quantized_file
 from engine.graph_build import GraphBuild
-from engine.input_builder import ModelInput, build_model_input, pad_to_two_tokens
+from engine.input_builder import (
+    ModelInput,
+    build_decode_steps,
+    build_model_input,
+    pad_to_two_tokens,
+)
 from engine.kv_cache_memory import (
     allocate_kv_cache,
     bytes_per_block,
@@ -278,18 +283,46 @@ class ModelRunner:
         sample_rows = torch.tensor([num_tokens - 1], device=device)
         return tokens, positions, plan, sample_rows
 
+    @property
+    def max_decode_ahead_rows(self) -> int:
+        """The most rows of a batch of several decode steps (``ScheduledBatch.num_steps``) that
+        ``execute`` takes; 0 where it takes none: only the decode stack that holds the LM head
+        runs them (its argmax is each step's greedy token)."""
+        stack = self.decode_stack
+        return stack.max_tokens if stack is not None and stack.holds_head else 0
+
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Runs the batch's forward pass and samples one token per sampling row (row order)."""
+        """Runs the batch's forward pass and samples one token per sampling row (row order); a
+        batch of several decode steps, its ``num_steps`` tokens per row."""
         self.sampler.remove_requests(batch.finished_request_ids)
         for new_request in batch.new_requests:
             self.sampler.add_request(new_request)
         if batch.is_empty:
             return SamplerOutput(token_ids=[], logprobs=[])
+        if batch.num_steps > 1:
+            return self._execute_steps(batch)
         # structured outputs: their grammar masks are filled while the forward pass runs
         self.sampler.start_masks(batch.sample_request_ids)
         logits = self.forward(batch)
         with self._timed("sampling"):
             return self.sampler.sample(logits, batch.sample_request_ids, self.greedy_ids)
+
+    def _execute_steps(self, batch: ScheduledBatch) -> SamplerOutput:
+        """A batch of several decode steps of plain greedy requests, in one pass of the decode
+        stack (the sampler only counts the tokens)."""
+        num_rows = batch.num_rows
+        if not 0 < num_rows <= self.max_decode_ahead_rows:
+            raise ValueError(
+                f"a batch of {batch.num_steps} decode steps with {num_rows} rows: this runner "
+                f"takes several steps for 1 to {self.max_decode_ahead_rows} rows"
+            )
+        request_ids = batch.sample_request_ids
+        self.sampler.count_greedy_steps(request_ids, batch.num_steps)
+        steps = build_decode_steps(batch, self.block_size, self.device)
+        assert self.decode_stack is not None
+        with self._timed("forward"), torch.inference_mode():
+            sampled = self.decode_stack.run_ahead(steps, self.kv_cache)  # [num_steps, num_rows]
+        return SamplerOutput(token_ids=sampled.t().tolist(), logprobs=[None] * num_rows)
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's logits for its sampling rows, float32 ``[num_sampled, vocab_size]``."""

@@ -59,7 +59,7 @@ class InvalidTokenIdError(SamplerError, ValueError):
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # one per row
+    token_ids: list  # one int per row (a batch of several decode steps: a list of ids per row)
     logprobs: list[TokenLogprob | None]  # None where the request asked for no logprobs
     # Rows whose structured output reached a dead end -> why; their token is not to be used.
     dead_ends: dict[int, str] = field(default_factory=dict)
@@ -264,6 +264,22 @@ class Sampler:
                 self._penalties.free(state.penalty_slot)
             if self.matchers is not None:
                 self.matchers.remove(request_id)
+
+    def count_greedy_steps(self, request_ids: list[str], num_steps: int) -> None:
+        """Counts ``num_steps`` tokens for each request, sampled outside ``sample`` (several
+        decode steps in one pass take the argmax of each step's logits). Raises SamplerError,
+        changing nothing, unless every request is plain greedy with no logprobs or structured
+        output."""
+        states = [self._requests.get(request_id) for request_id in request_ids]
+        for request_id, state in zip(request_ids, states, strict=True):
+            if state is None:
+                raise UnknownRequestError(f"unknown request id: {request_id!r}")
+            if not state.plain_greedy or state.params.logprobs is not None:
+                raise SamplerError(f"request {request_id!r} does not sample by the argmax alone")
+            if state.params.structured is not None:
+                raise SamplerError(f"request {request_id!r} has a structured output")
+        for state in states:
+            state.num_output_tokens += num_steps  # type: ignore[union-attr]
 
     def start_masks(self, request_ids: list[str]) -> None:
         """Begins filling the grammar masks of the rows that have a structured output (they are

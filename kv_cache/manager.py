@@ -110,9 +110,15 @@ class KVCacheManager:
         return block_ids, len(block_ids) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for K/V of positions up to ``num_computed_tokens + cached + num_new_tokens``.
+        """Make room for K/V of positions up to ``num_computed_tokens + cached + num_new_tokens``
+        and ``num_lookahead_tokens`` positions beyond (the K/V of tokens not sampled yet: a batch
+        of several decode steps writes those of the tokens it samples on the way).
 
         ``new_computed_blocks`` (from ``get_computed_blocks``, on admission only) are shared and
         become the head of the block table. Returns the newly allocated block ids ([] when the
@@ -120,6 +126,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _RequestBlocks()
@@ -136,7 +144,9 @@ class KVCacheManager:
                 f"asked for slots up to {num_required}"
             )
         num_new_blocks = (
-            self.num_blocks_for(num_required) - len(state.block_ids) - len(new_computed_blocks)
+            self.num_blocks_for(num_required + num_lookahead_tokens)
+            - len(state.block_ids)
+            - len(new_computed_blocks)
         )
         if num_new_blocks <= 0 and not new_computed_blocks:
             return []

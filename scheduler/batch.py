@@ -51,12 +51,17 @@ class ScheduledBatch:
     ``rows``: decode rows first (oldest request first), then prompt chunks in arrival order.
     ``finished_request_ids``: requests that finished or were aborted since the previous batch; the
     runner drops their state.
+    ``num_steps``: decode steps the batch runs in one pass (> 1 only where every row decodes a
+    token of a plain greedy request: see ``Scheduler``): each row then samples ``num_steps``
+    tokens, each token sampled the input of the row's next step, and its block table covers the
+    K/V of positions ``start_pos .. start_pos + num_steps - 1``.
     """
 
     rows: tuple[BatchRow, ...]
     new_requests: tuple[NewRequestData, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
     num_preempted: int = 0
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,7 @@ class Request:
         group_id: str | None = None,
         priority: int = 0,
         tenant: str = "",
+        streamed: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -62,6 +63,9 @@ class Request:
         self.priority = priority
         # Who asked for it: fair sharing splits each step's prompt tokens between tenants.
         self.tenant = tenant
+        # Its tokens leave as they are sampled (a stream): its batches run one decode step at a
+        # time, so that each token leaves one step after the previous.
+        self.streamed = streamed
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -137,6 +137,20 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy, with nothing that reads the logits but their argmax (no logit_bias,
+        penalties, logprobs or structured output): its tokens may be taken several decode steps
+        at a time (``min_tokens``, which masks stop tokens for a while, is the scheduler's to
+        check)."""
+        return (
+            self.greedy
+            and not self.logit_bias
+            and not self.has_penalties
+            and self.logprobs is None
+            and self.structured is None
+        )
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

@@ -31,6 +31,17 @@ Policies (``policy``, ``fair_share``):
   Within a tenant the order is the policy's. A request that does not fit in the free blocks stops
   the admission of every request behind it in the queue order, whatever its tenant.
 
+Several decode steps per batch (``max_decode_steps`` > 1): where a batch holds only decodes (no
+prompt chunk, nothing waiting), at most ``max_decode_rows`` of them, and every request is plain
+greedy (``SamplingParams.plain_greedy``, past its ``min_tokens``) and not streamed, the batch
+runs up to ``max_decode_steps`` steps in one pass, each step's sampled token the next step's input
+(the runner does not come back to Python between them). The steps are as many as every request can
+take before ``max_tokens`` or the pool's length limit, and only where the free blocks hold the
+K/V of the tokens sampled on the way (allocated now as lookahead slots); otherwise one.
+``update()`` then appends each request's tokens one at a time and stops at the first that ends
+it (the rest are dropped, as a later step would never have run). New arrivals wait for the pass:
+at most ``max_decode_steps`` steps.
+
 Only the chunk that reaches ``num_tokens`` samples. Worked example, budget 32, 100-token prompt:
 four steps run 32, 32, 32 and 4 tokens, and only the last samples.
 
@@ -49,6 +60,7 @@ Not thread-safe: the engine calls every method from its own loop thread.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -76,6 +88,8 @@ class Scheduler:
         fair_share: bool = False,
         max_overtakes: int = 64,
         max_priority_preemptions: int = 1,
+        max_decode_steps: int = 1,
+        max_decode_rows: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -85,6 +99,8 @@ class Scheduler:
             ("max_model_len", max_model_len, 2),
             ("max_overtakes", max_overtakes, 1),
             ("max_priority_preemptions", max_priority_preemptions, 0),
+            ("max_decode_steps", max_decode_steps, 1),
+            ("max_decode_rows", max_decode_rows, 0),
         ):
             if not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -95,6 +111,9 @@ class Scheduler:
         self.policy = policy
         self.fair_share = fair_share
         self.max_priority_preemptions = max_priority_preemptions
+        # Decode steps a batch of plain greedy decodes may run in one pass, and its most rows.
+        self.max_decode_steps = max_decode_steps
+        self.max_decode_rows = max_decode_rows
         # A request can hold at most the whole pool: it ends (``length``) once its next token
         # would need a slot beyond it, as it would at max_model_len.
         self._max_num_tokens = min(max_model_len, kv_manager.num_blocks * kv_manager.block_size + 1)
@@ -255,11 +274,15 @@ class Scheduler:
             for request in admitted:
                 self._waiting.remove(request.request_id)
 
+        num_steps = 1
+        if self.max_decode_steps > 1 and not prompt_requests and not self._waiting:
+            num_steps = self._decode_ahead(rows)
         batch = ScheduledBatch(
             rows=tuple(rows),
             new_requests=tuple(new_requests),
             finished_request_ids=tuple(self._finished_ids),
             num_preempted=self.num_preemptions - num_preemptions_before,
+            num_steps=num_steps,
         )
         self._finished_ids.clear()
         self._finished_id_set.clear()
@@ -267,11 +290,15 @@ class Scheduler:
         self._num_sampling_rows = sum(1 for row in rows if row.sample)
         return batch
 
-    def update(self, batch: ScheduledBatch, sampled_token_ids: Sequence[int]) -> list[Request]:
+    def update(
+        self, batch: ScheduledBatch, sampled_token_ids: Sequence[int] | Sequence[Sequence[int]]
+    ) -> list[Request]:
         """Apply one step's results: ``sampled_token_ids`` has one id per sampling row, in row
-        order. Returns the requests of the sampling rows in row order, with the token appended
-        and the status updated; finished ones have freed their blocks. Requests aborted since
-        ``schedule()`` are skipped and their tokens dropped."""
+        order (for a batch of ``num_steps`` > 1: a sequence of ``num_steps`` ids per row, in step
+        order). Returns the requests of the sampling rows in row order, with the tokens appended
+        (up to the one that ends the request) and the status updated; finished ones have freed
+        their blocks. Requests aborted since ``schedule()`` are skipped and their tokens
+        dropped. Raises ValueError, changing nothing, on ids that do not match the batch."""
         if batch is not self._last_batch:
             raise ValueError("update() takes the batch of the latest schedule(), once")
         if len(sampled_token_ids) != self._num_sampling_rows:
@@ -279,6 +306,11 @@ class Scheduler:
                 f"expected {self._num_sampling_rows} sampled token ids (one per sampling row), "
                 f"got {len(sampled_token_ids)}"
             )
+        num_steps = batch.num_steps
+        if num_steps > 1 and any(
+            isinstance(ids, int) or len(ids) != num_steps for ids in sampled_token_ids
+        ):
+            raise ValueError(f"a batch of {num_steps} steps takes {num_steps} ids per row")
         self._last_batch = None
         kv = self.kv_manager
         block_size = kv.block_size
@@ -289,12 +321,17 @@ class Scheduler:
         next_sample = 0
         for row in batch.rows:
             request = requests.get(row.request_id)
-            token_id = -1
+            sampled: int | Sequence[int] = -1
             if row.sample:
-                token_id = sampled_token_ids[next_sample]
+                sampled = sampled_token_ids[next_sample]
                 next_sample += 1
             if request is None or request.status is not running_status:
                 continue  # aborted after schedule()
+            if not isinstance(sampled, int):  # a batch of several decode steps
+                self._append_steps(request, row, sampled, now)
+                updated.append(request)
+                continue
+            token_id = sampled
             end = row.start_pos + len(row.token_ids)
             if end // block_size > row.start_pos // block_size:  # the row completed a block
                 kv.cache_blocks(request, end)
@@ -309,6 +346,68 @@ class Scheduler:
                 self._finish(request, status)
             updated.append(request)
         return updated
+
+    def _decode_ahead(self, rows: list[BatchRow]) -> int:
+        """The decode steps a batch of decodes alone (nothing else waits: the caller's check)
+        runs: up to ``max_decode_steps`` where it fits (see the module docstring), with the
+        lookahead blocks allocated, the rows' tables extended and ``num_computed_tokens`` past
+        the steps; 1 (changing nothing) where it does not."""
+        if not rows or len(rows) > self.max_decode_rows:
+            return 1
+        requests = [self._requests[row.request_id] for row in rows]
+        num_steps = self.max_decode_steps
+        for row, request in zip(rows, requests, strict=True):
+            params = request.sampling_params
+            if len(row.token_ids) != 1 or not row.sample or not params.plain_greedy:
+                return 1
+            if request.streamed:  # each token leaves a step after the previous
+                return 1
+            if request.num_output_tokens < params.min_tokens:
+                return 1
+            # as many tokens as the request may still take (the last step's is not computed)
+            num_steps = min(
+                num_steps,
+                params.max_tokens - request.num_output_tokens,
+                self._max_num_tokens - request.num_tokens,
+            )
+        if num_steps < 2:
+            return 1
+        kv = self.kv_manager
+        num_new_blocks = sum(
+            max(0, kv.num_blocks_for(row.start_pos + num_steps) - len(row.block_table))
+            for row in rows
+        )
+        if num_new_blocks > kv.num_free_blocks:
+            return 1
+        for index, (row, request) in enumerate(zip(rows, requests, strict=True)):
+            allocated = kv.allocate_slots(request, 0, num_lookahead_tokens=num_steps - 1)
+            assert allocated is not None, request  # counted free above
+            if allocated:
+                rows[index] = dataclasses.replace(row, block_table=kv.block_ids(row.request_id))
+            request.num_computed_tokens = row.start_pos + num_steps
+        return num_steps
+
+    def _append_steps(
+        self, request: Request, row: BatchRow, token_ids: Sequence[int], now: float
+    ) -> None:
+        """A row of a batch of several decode steps: its tokens appended one at a time until one
+        ends the request (the others are dropped), the blocks it completed cached, then the
+        request finished if it ended."""
+        status = None
+        for token_id in token_ids:
+            request.token_ids.append(token_id)
+            status = self._check_finished(request, token_id)
+            if status is not None:
+                break
+        if request.first_token_time is None:
+            request.first_token_time = now
+        # K/V are computed for every position whose token the request now holds
+        end = min(row.start_pos + len(token_ids), request.num_tokens)
+        if end // self.kv_manager.block_size > row.start_pos // self.kv_manager.block_size:
+            self.kv_manager.cache_blocks(request, end)
+        if status is not None:
+            self._running.remove(request)
+            self._finish(request, status)
 
     # -- integrity --------------------------------------------------------------------------------
 

@@ -59,6 +59,7 @@ class _Add:
     arrival_time: float
     priority: int = 0
     tenant: str = ""
+    streamed: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,11 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput] | None = None,
         priority: int = 0,
         tenant: str = "",
+        streamed: bool = False,
     ) -> asyncio.Queue[RequestOutput]:
         """Submits a request; its outputs arrive on ``queue`` (a new one unless given; several
-        requests may share one), the last one finished."""
+        requests may share one), the last one finished. ``streamed``: the engine's
+        ``add_request``'s (each token is sent as it comes)."""
         self.check_available()
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -158,6 +161,7 @@ class AsyncEngine:
             time.monotonic() if arrival_time is None else arrival_time,
             priority,
             tenant,
+            streamed,
         )
         self._submit(command)
         return queue
@@ -181,7 +185,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's deltas until it finishes. Closing or cancelling the iterator
         early (a client disconnect) aborts the request."""
-        queue = self.add(request_id, prompt_token_ids, sampling_params, group_id, arrival_time)
+        queue = self.add(
+            request_id, prompt_token_ids, sampling_params, group_id, arrival_time, streamed=True
+        )
         finished = False
         try:
             while True:
@@ -317,6 +323,7 @@ class AsyncEngine:
                     arrival_time=command.arrival_time,
                     priority=command.priority,
                     tenant=command.tenant,
+                    streamed=command.streamed,
                 )
             except ValueError as error:
                 outputs.append(

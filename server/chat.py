@@ -85,7 +85,9 @@ async def create_chat_completion(request: Request) -> Response:
     params = build_params(
         lambda: body.sampling_params(max_tokens, num_logprobs, token_text.vocab_size, structured)
     )
-    generation, first = await state.start(request, "chatcmpl", [prompt_ids], body.n, params)
+    generation, first = await state.start(
+        request, "chatcmpl", [prompt_ids], body.n, params, stream=bool(body.stream)
+    )
     base = {"id": generation.request_id, "created": int(time.time()), "model": state.model_name,
             "system_fingerprint": None}  # fmt: skip
 

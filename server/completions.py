@@ -100,7 +100,9 @@ async def create_completion(request: Request) -> Response:
     params = build_params(
         lambda: body.sampling_params(max_tokens, body.logprobs, token_text.vocab_size, structured)
     )
-    generation, first = await state.start(request, "cmpl", prompts, body.n, params)
+    generation, first = await state.start(
+        request, "cmpl", prompts, body.n, params, stream=bool(body.stream)
+    )
     created = int(time.time())
     base = {"id": generation.request_id, "object": "text_completion", "created": created,
             "model": state.model_name}  # fmt: skip

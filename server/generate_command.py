@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     max_tokens = min(args.max_tokens, engine.max_model_len - len(prompt_ids))
     if max_tokens != params.max_tokens:
         params = dataclasses.replace(params, max_tokens=max_tokens)
-    engine.add_request("generate", prompt_ids, params)
+    engine.add_request("generate", prompt_ids, params, streamed=True)  # printed as it comes
 
     # incremental, as the server detokenizes: a character split across tokens is printed whole
     text = SequenceText(tokenizer, prompt_ids, StopStrings(()))

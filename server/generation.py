@@ -75,6 +75,7 @@ class Generation:
         metrics: ServerMetrics | None = None,
         priority: int = 0,
         tenant: str = "default",
+        streamed: bool = False,
     ) -> None:
         self.request_id = request_id
         self.tenant = tenant
@@ -113,6 +114,7 @@ class Generation:
                         queue=self._queue,
                         priority=priority,
                         tenant=tenant,
+                        streamed=streamed,
                     )
                 except Exception:
                     self.close()

@@ -42,6 +42,7 @@ _FLAG_FIELDS = (
     "scheduling_policy",
     "fair_share",
     "deterministic",
+    "num_scheduler_steps",
 )
 
 
@@ -149,6 +150,13 @@ def register(subparsers: Any) -> None:
         const=True,
         help="bitwise-identical tokens and logprobs for a request whatever else runs (slower; "
         "start-up waits for the compiled graph; see the README)",
+    )
+    engine.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        help="decode steps a batch of plain greedy decodes runs per scheduling pass (default: 4 "
+        "where the CPU decode stack holds the 8-bit LM head, else 1; tokens stream in bursts "
+        "of that many)",
     )
     engine.add_argument(
         "--compile",

@@ -261,8 +261,10 @@ class ServerState:
         prompts: list[list[int]],
         n: int,
         params: SamplingParams,
+        stream: bool = False,
     ) -> tuple[Generation, list[ChoiceDelta]]:
-        """Submits the generation and waits for its first deltas. Raises APIError (429, 400,
+        """Submits the generation (``stream``: its tokens are sent as they come) and waits for
+        its first deltas. Raises APIError (429, 400,
         500) or ClientDisconnected (after aborting)."""
         token_text = self.check_accepting()
         num_sequences = len(prompts) * n  # the routes checked it with check_num_sequences
@@ -280,6 +282,7 @@ class ServerState:
             self.metrics,
             priority=priority,
             tenant=tenant,
+            streamed=stream,
         )
         queued = _Queued(priority, num_sequences, next(self._queue_order))
         queued.task = asyncio.ensure_future(generation.next_deltas())

@@ -119,7 +119,7 @@ def test_greedy_generation_is_the_same_with_and_without_the_stack(tiny_llama_dir
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = {}
     for use in (True, False):
-        engine = int4_engine(tiny_llama_dir, "float32")
+        engine = int4_engine(tiny_llama_dir, "float32", num_scheduler_steps=1)
         if not use:
             engine.runner.decode_stack = None
         for i, prompt in enumerate(prompts):
@@ -130,6 +130,70 @@ def test_greedy_generation_is_the_same_with_and_without_the_stack(tiny_llama_dir
                 tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
         outputs[use] = tokens
     assert outputs[True] == outputs[False]
+
+
+def generate(
+    engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[dict[str, list[int]], dict[str, str], list[int]]:
+    """Each request's tokens and finish reason, and the steps of each batch."""
+    passes: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> ScheduledBatch:
+        batch = schedule()
+        passes.append(batch.num_steps)
+        return batch
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params[i])
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                reasons[output.request_id] = output.finish_reason
+    engine.scheduler.check_integrity()
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks  # lookahead blocks freed
+    return tokens, reasons, passes
+
+
+def test_several_decode_steps_per_pass_give_the_tokens_of_one_step_at_a_time(tiny_llama_dir):
+    """Batches of several decode steps (``num_scheduler_steps``; the default with the stack)
+    sample the tokens one step at a time would, and end requests on the same token: at
+    max_tokens, on a stop token in the middle of a pass, after min_tokens; a random request
+    keeps its batches to one step while it runs."""
+    prompts = [[5, 17, 99, 3], [42] * 9, list(range(100, 121)), [8, 9, 10]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    first, _, _ = generate(int4_engine(tiny_llama_dir, "float32", num_scheduler_steps=1),
+                           prompts, [greedy] * 4)  # fmt: skip
+    stop = first["p1"][9]  # (its first occurrence ends p1)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=(stop,), min_tokens=2),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True),
+    ]
+    one = generate(int4_engine(tiny_llama_dir, "float32", num_scheduler_steps=1), prompts, params)
+    assert set(one[2]) == {1}
+    assert one[0]["p1"][-1] == stop and one[1]["p1"] == "stop"
+    for num_steps in (3, None):
+        engine = int4_engine(tiny_llama_dir, "float32", num_scheduler_steps=num_steps)
+        assert engine.num_scheduler_steps == (num_steps or 4)
+        tokens, reasons, passes = generate(engine, prompts, params)
+        assert (tokens, reasons) == one[:2]
+        assert max(passes) == engine.num_scheduler_steps and len(passes) < len(one[2])
+
+
+def test_several_decode_steps_need_the_stack_with_the_lm_head(tiny_llama_dir):
+    with pytest.raises(ValueError, match="num_scheduler_steps 4 needs the CPU decode stack"):
+        LLMEngine(
+            EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64,
+                         num_scheduler_steps=4)
+        )  # fmt: skip
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
+    assert engine.num_scheduler_steps == 1 and engine.scheduler.max_decode_steps == 1
 
 
 BAD_INPUTS = {

@@ -51,8 +51,15 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 def _engine(model_dir: Path, wait: bool = True, **overrides) -> LLMEngine:
     """An engine; with ``compile=True``, its graphs compiled before it returns (unless not
     ``wait``). Its decode steps go to the graphs too, not to the decode stack (tested in
-    ``test_decode_stack.py``), which would run them before the graphs."""
-    config = dict(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=8)
+    ``test_decode_stack.py``), which would run them before the graphs; so one decode step a
+    pass (several run in the stack alone)."""
+    config = dict(
+        model=str(model_dir),
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=8,
+        num_scheduler_steps=1,
+    )
     config.update(overrides)
     engine = LLMEngine(EngineConfig(**config))
     engine.runner.decode_stack = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.input_builder import build_model_input
+from engine.input_builder import build_decode_steps, build_model_input
 from scheduler.batch import BatchRow, ScheduledBatch
 
 
@@ -148,3 +148,36 @@ def test_inputs_moved_to_another_device_keep_their_values_and_dtypes() -> None:
     same = inputs.to("cpu")
     assert same.input_ids.tolist() == [50, 60, 61]
     assert same.metadata.block_tables.tolist() == [[3, 8], [2, 0]]
+
+
+def test_decode_steps_docstring_example() -> None:
+    batch = ScheduledBatch(
+        rows=(BatchRow("a", (50,), 6, (3, 8), True), BatchRow("b", (60,), 1, (2,), True)),
+        num_steps=2,
+    )
+    steps = build_decode_steps(batch, block_size=4)
+    assert steps.num_steps == 2
+    assert steps.input_ids.tolist() == [50, 60]
+    assert steps.positions.tolist() == [[6, 1], [7, 2]]
+    assert steps.slot_mapping.tolist() == [[34, 9], [35, 10]]
+    assert steps.context_lens.tolist() == [[7, 2], [8, 3]]
+    assert steps.query_start.tolist() == [0, 1, 2]
+    assert steps.block_tables.tolist() == [[3, 8], [2, 0]]
+    assert steps.context_lens.dtype == steps.query_start.dtype == torch.int32
+    assert steps.block_tables.dtype == torch.int32
+    assert steps.positions.dtype == steps.slot_mapping.dtype == torch.int64
+
+
+def test_decode_steps_refuse_prompt_rows_and_tables_short_of_the_last_step() -> None:
+    def build(row: BatchRow, num_steps: int = 3) -> None:
+        build_decode_steps(ScheduledBatch(rows=(row,), num_steps=num_steps), block_size=4)
+
+    build(BatchRow("a", (5,), 1, (0,), True))  # positions 1 .. 3: one block
+    with pytest.raises(ValueError, match="blocks"):
+        build(BatchRow("a", (5,), 2, (0,), True))  # position 4 needs a second block
+    with pytest.raises(ValueError, match="decode token"):
+        build(BatchRow("a", (5, 6), 0, (0,), True))
+    with pytest.raises(ValueError, match="decode token"):
+        build(BatchRow("a", (5,), 0, (0,), False))
+    with pytest.raises(ValueError, match="empty"):
+        build_decode_steps(ScheduledBatch(rows=(), num_steps=2), block_size=4)

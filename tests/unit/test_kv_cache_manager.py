@@ -351,3 +351,22 @@ def test_a_cache_larger_than_free_memory_is_refused_naming_budget_free_memory_an
     cache = kv_memory.allocate_kv_cache(4, 512, 16, 4, 64, torch.float32, torch.device("cpu"))
     assert cache.shape == (4, 2, 512, 16, 4, 64)
     assert (4, 2, 512, 16, 4, 64) in shapes
+
+
+def test_lookahead_slots_cover_positions_past_the_tokens():
+    """Several decode steps in one pass write the K/V of tokens sampled on the way: room for
+    them beyond the request's tokens, allocated whole or not at all."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    request = make_request("a", list(range(6)))
+    assert kv.allocate_slots(request, 6) == [0, 1]
+    request.num_computed_tokens = 6
+    request.token_ids.append(6)
+    # position 6 and 4 lookahead positions (7 .. 10): block 2 too
+    assert kv.allocate_slots(request, 1, num_lookahead_tokens=4) == [2]
+    request.num_computed_tokens = 7
+    assert kv.allocate_slots(request, 0, num_lookahead_tokens=1) == []  # position 7: in block 1
+    assert kv.allocate_slots(request, 0, num_lookahead_tokens=10) is None  # 5 blocks: no room
+    assert kv.block_table("a") == [0, 1, 2] and kv.num_free_blocks == 1
+    with pytest.raises(ValueError, match="num_lookahead_tokens"):
+        kv.allocate_slots(request, 0, num_lookahead_tokens=-1)
+    kv.check_integrity()

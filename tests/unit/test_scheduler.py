@@ -367,3 +367,128 @@ def test_a_preempted_request_goes_back_in_front_of_the_waiting_ones():
     batch, _ = step(scheduler)  # new preempts itself for old's decode
     assert batch.num_preempted == 1
     assert [r.request_id for r in scheduler.waiting_requests()] == ["new", "last"]
+
+
+# -- several decode steps per batch ---------------------------------------------------------------
+
+
+def ahead_scheduler(num_blocks: int = 64, max_steps: int = 4, max_rows: int = 8) -> Scheduler:
+    kv_manager = KVCacheManager(num_blocks, 4)
+    return Scheduler(64, 8, 1024, kv_manager, max_decode_steps=max_steps, max_decode_rows=max_rows)
+
+
+def test_plain_greedy_decodes_run_several_steps_with_lookahead_blocks():
+    scheduler = ahead_scheduler()
+    a = add(scheduler, "a", 6, temperature=0.0, max_tokens=20)
+    b = add(scheduler, "b", 3, temperature=0.0, max_tokens=20)
+    batch, _ = step(scheduler)  # the prompts: one step
+    assert batch.num_steps == 1
+    batch = scheduler.schedule()
+    assert batch.num_steps == 4 and shape(batch) == [("a", 6, 1, True), ("b", 3, 1, True)]
+    # positions 6 .. 9 and 3 .. 6: the tables cover them
+    assert [len(row.block_table) for row in batch.rows] == [3, 2]
+    updated = scheduler.update(batch, [[11, 12, 13, 14], [21, 22, 23, 24]])
+    scheduler.check_integrity()
+    assert updated == [a, b]
+    assert a.output_token_ids == [7, 11, 12, 13, 14] and b.output_token_ids == [7, 21, 22, 23, 24]
+    assert a.num_computed_tokens == a.num_tokens - 1 == 10
+    batch = scheduler.schedule()
+    assert batch.num_steps == 4 and shape(batch) == [("a", 10, 1, True), ("b", 7, 1, True)]
+
+
+def test_a_token_that_ends_a_request_drops_the_rest_of_its_steps():
+    scheduler = ahead_scheduler()
+    a = add(scheduler, "a", 4, temperature=0.0, max_tokens=20)
+    b = add(scheduler, "b", 4, temperature=0.0, max_tokens=20, stop_token_ids=(9,))
+    step(scheduler)
+    batch = scheduler.schedule()
+    assert batch.num_steps == 4
+    updated = scheduler.update(batch, [[11, EOS, 12, 13], [21, 22, 9, 23]])
+    scheduler.check_integrity()
+    assert updated == [a, b]
+    assert a.output_token_ids == [7, 11, EOS] and a.finish_reason == "stop"
+    assert b.output_token_ids == [7, 21, 22, 9] and b.stop_token_id == 9
+    assert scheduler.kv_manager.num_free_blocks == 64  # both freed, lookahead blocks too
+    assert not scheduler.has_unfinished()
+
+
+def test_the_steps_stop_at_max_tokens_and_the_length_limit():
+    scheduler = ahead_scheduler()
+    a = add(scheduler, "a", 4, temperature=0.0, max_tokens=3)
+    step(scheduler)  # the first output token
+    batch = scheduler.schedule()
+    assert batch.num_steps == 2  # outputs 2 and 3
+    scheduler.update(batch, [[5, 6]])
+    assert a.finish_reason == "length" and a.output_token_ids == [7, 5, 6]
+    long = make_scheduler(max_model_len=8)
+    long.max_decode_steps, long.max_decode_rows = 4, 8
+    b = add(long, "b", 5, temperature=0.0, max_tokens=100)
+    step(long)
+    batch = long.schedule()
+    assert batch.num_steps == 2  # 6 tokens: 2 more reach max_model_len
+    long.update(batch, [[5, 6]])
+    assert b.finish_reason == "length" and b.num_tokens == 8
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.0, logprobs=2),
+        dict(temperature=0.0, logit_bias={5: 1.0}),
+        dict(temperature=0.0, presence_penalty=0.5),
+        dict(temperature=0.0, min_tokens=3),
+    ],
+    ids=["random", "logprobs", "logit_bias", "penalties", "min_tokens"],
+)
+def test_one_step_unless_every_request_is_plain_greedy(case):
+    scheduler = ahead_scheduler()
+    add(scheduler, "a", 4, temperature=0.0)
+    add(scheduler, "b", 4, **case)
+    step(scheduler)
+    assert scheduler.schedule().num_steps == 1
+
+
+def test_one_step_while_a_prompt_waits_or_runs_or_rows_or_blocks_run_short():
+    scheduler = ahead_scheduler()
+    add(scheduler, "a", 4, temperature=0.0)
+    step(scheduler)
+    add(scheduler, "b", 4, temperature=0.0)
+    batch, _ = step(scheduler)  # b's prompt beside a's decode
+    assert batch.num_steps == 1
+    assert scheduler.schedule().num_steps == 4
+    rows = ahead_scheduler(max_rows=1)
+    for request_id in "ab":
+        add(rows, request_id, 4, temperature=0.0)
+    step(rows)
+    assert rows.schedule().num_steps == 1
+    # 4 blocks of 4, all held: a's prompt of 6 and b's of 5 take two each; their next tokens
+    # (positions 6 and 5) fit, a's steps to position 9 would need a fifth block
+    blocks = ahead_scheduler(num_blocks=4)
+    add(blocks, "a", 6, temperature=0.0)
+    add(blocks, "b", 5, temperature=0.0)
+    step(blocks)
+    assert blocks.kv_manager.num_free_blocks == 0
+    batch = blocks.schedule()
+    assert batch.num_steps == 1 and blocks.kv_manager.num_free_blocks == 0
+
+
+def test_an_update_with_one_id_per_row_for_several_steps_is_refused():
+    scheduler = ahead_scheduler()
+    a = add(scheduler, "a", 4, temperature=0.0)
+    step(scheduler)
+    batch = scheduler.schedule()
+    with pytest.raises(ValueError, match="4 ids per row"):
+        scheduler.update(batch, [[11, 12]])
+    assert a.output_token_ids == [7]
+    scheduler.update(batch, [[11, 12, 13, 14]])
+    assert a.output_token_ids == [7, 11, 12, 13, 14]
+
+
+def test_one_step_while_a_streamed_request_runs():
+    scheduler = ahead_scheduler()
+    add(scheduler, "a", 4, temperature=0.0)
+    streamed = Request("b", [5, 6, 7], SamplingParams(temperature=0.0), streamed=True)
+    scheduler.add_request(streamed)
+    step(scheduler)
+    assert scheduler.schedule().num_steps == 1

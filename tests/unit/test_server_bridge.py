@@ -69,6 +69,7 @@ class FakeEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         tenant: str = "",
+        streamed: bool = False,
     ) -> None:
         self.caller_threads.add(threading.get_ident())
         if not prompt_token_ids:

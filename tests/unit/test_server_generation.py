@@ -23,9 +23,10 @@ class StubEngine:
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, group_id: Any = None,
             arrival_time: Any = None, queue: Any = None, priority: int = 0,
-            tenant: str = "") -> Any:  # fmt: skip
+            tenant: str = "", streamed: bool = False) -> Any:  # fmt: skip
         self.queue = queue
         self.added.append((request_id, group_id, params.seed))
+        self.streamed = streamed
         return queue
 
     def abort(self, request_id: str) -> None:
@@ -83,3 +84,10 @@ def test_engine_error_raises_and_aborts_the_rest(tokenizer: Any) -> None:
         assert engine.aborted == ["c-1"]
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_streamed_generation_asks_the_engine_for_a_step_per_pass(tokenizer: Any) -> None:
+    for streamed in (False, True):
+        engine = StubEngine()
+        Generation(engine, tokenizer, "c", [[5]], 1, SamplingParams(), streamed=streamed)  # type: ignore[arg-type]
+        assert engine.streamed is streamed
