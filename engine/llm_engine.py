@@ -48,8 +48,9 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (total)
     prefix_cache_hits: int  # of those, tokens found (total)
     num_preemptions: int  # total
-    last_step_num_tokens: int
+    last_step_num_tokens: int  # of each of its decode steps
     last_step_seconds: float
+    last_step_num_steps: int = 1  # decode steps the last engine step ran (a pass of several)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class LLMEngine:
             max_decode_rows=decode_rows,
         )
         self._last_step_num_tokens = 0
+        self._last_step_num_steps = 1
         self._last_step_seconds = 0.0
         self.timings: StepTimings | None = None  # see profile()
 
@@ -317,6 +319,7 @@ class LLMEngine:
                     _output(request, [token_ids[index]], None if logprob is None else [logprob])
                 )
         self._last_step_num_tokens = batch.num_tokens
+        self._last_step_num_steps = batch.num_steps
         self._last_step_seconds = time.perf_counter() - start
         return outputs
 
@@ -412,6 +415,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             last_step_num_tokens=self._last_step_num_tokens,
             last_step_seconds=self._last_step_seconds,
+            last_step_num_steps=self._last_step_num_steps,
         )
 
 

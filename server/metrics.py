@@ -188,8 +188,11 @@ class ServerMetrics:
         if self.vllm is not None:
             self.vllm.observe_engine_stats(stats)
         if stepped and stats.last_step_num_tokens > 0:  # type: ignore[attr-defined]
-            self.batch_tokens.observe(stats.last_step_num_tokens)  # type: ignore[attr-defined]
-            self.step_duration.observe(stats.last_step_seconds)  # type: ignore[attr-defined]
+            # a pass of several decode steps counts as that many steps, each its share of the time
+            num_steps = stats.last_step_num_steps  # type: ignore[attr-defined]
+            for _ in range(num_steps):
+                self.batch_tokens.observe(stats.last_step_num_tokens)  # type: ignore[attr-defined]
+                self.step_duration.observe(stats.last_step_seconds / num_steps)  # type: ignore[attr-defined]
 
     def observe_finished(
         self,

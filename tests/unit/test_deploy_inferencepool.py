@@ -182,6 +182,7 @@ def test_the_server_exports_what_the_picker_and_the_autoscalers_read() -> None:
                 num_preemptions=0,
                 last_step_num_tokens=0,
                 last_step_seconds=0.0,
+                last_step_num_steps=1,
             ),
         ),  # fmt: skip
         stepped=False,

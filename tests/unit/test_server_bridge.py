@@ -141,6 +141,7 @@ class FakeEngine:
             num_preemptions=0,
             last_step_num_tokens=len(self.requests) or 1,
             last_step_seconds=self.step_delay,
+            last_step_num_steps=1,
         )
 
 

@@ -31,7 +31,7 @@ EXPECTED = {
 def _stats(**overrides: float) -> SimpleNamespace:
     values = dict(num_running=3, num_waiting=2, kv_cache_usage=0.25, prefix_cache_queries=100,
                   prefix_cache_hits=40, num_preemptions=1, last_step_num_tokens=64,
-                  last_step_seconds=0.02)  # fmt: skip
+                  last_step_seconds=0.02, last_step_num_steps=1)  # fmt: skip
     return SimpleNamespace(**{**values, **overrides})
 
 
@@ -53,6 +53,19 @@ def test_every_metric_has_its_name_and_type() -> None:
     assert samples[("splitfuse_kv_cache_usage_ratio", ())] == 0.25
     assert samples[("splitfuse_batch_tokens_sum", ())] == 64
     assert samples[("splitfuse_num_requests_waiting", ())] == 2
+
+
+def test_a_pass_of_several_decode_steps_counts_as_that_many_steps() -> None:
+    metrics = ServerMetrics()
+    metrics.observe_engine_stats(
+        _stats(last_step_num_tokens=8, last_step_seconds=0.04, last_step_num_steps=4), True
+    )
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    samples = {s.name: s.value for family in families.values() for s in family.samples}
+    assert samples["splitfuse_batch_tokens_count"] == 4
+    assert samples["splitfuse_batch_tokens_sum"] == 32
+    assert samples["splitfuse_step_duration_seconds_count"] == 4
+    assert abs(samples["splitfuse_step_duration_seconds_sum"] - 0.04) < 1e-9
 
 
 def test_engine_totals_become_counter_increments() -> None:

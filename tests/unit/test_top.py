@@ -12,7 +12,7 @@ def _stats(waiting: int, preemptions: int) -> object:
     return type("Stats", (), dict(num_running=3, num_waiting=waiting, kv_cache_usage=0.425,
                                   prefix_cache_queries=0, prefix_cache_hits=0,
                                   num_preemptions=preemptions, last_step_num_tokens=0,
-                                  last_step_seconds=0.0))  # fmt: skip
+                                  last_step_seconds=0.0, last_step_num_steps=1))  # fmt: skip
 
 
 def test_quantile_worked_example() -> None:
