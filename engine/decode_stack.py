@@ -151,27 +151,23 @@ class DecodeStack:
 
     def run_ahead(self, steps: DecodeSteps, kv_cache: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of several decode steps, [num_steps, num_rows] int64: each step's
-        argmax of the LM head is the next step's input (needs ``holds_head``). Between the calls
-        only views are taken: no scheduling, inputs or sampling."""
+        argmax of the LM head is the next step's input (needs ``holds_head``), in one call
+        (``greedy_steps``: no Python, scheduling, inputs or sampling between the steps; it checks
+        every step's inputs before the first runs)."""
         if not self.holds_head:
             raise ValueError("several decode steps in one pass need the LM head in the call")
         num_rows = steps.input_ids.shape[0]
         if not 0 < num_rows <= self.max_tokens:
             raise ValueError(f"{num_rows} rows: the stack takes 1 to {self.max_tokens}")
-        token_ids = steps.input_ids
-        sampled = []
-        for step in range(steps.num_steps):
-            _, token_ids = self.call.logits(
-                token_ids,
-                steps.positions[step],
-                kv_cache,
-                steps.slot_mapping[step],
-                steps.block_tables,
-                steps.query_start,
-                steps.context_lens[step],
-            )
-            sampled.append(token_ids)
-        return torch.stack(sampled)
+        return self.call.greedy_steps(
+            steps.input_ids,
+            steps.positions,
+            kv_cache,
+            steps.slot_mapping,
+            steps.block_tables,
+            steps.query_start,
+            steps.context_lens,
+        )
 
 
 def unsupported(

@@ -439,6 +439,31 @@ struct DecodeStack : torch::CustomClassHolder {
     return {logits, greedy};
   }
 
+  // Several decode steps of greedy tokens, [num_steps, T] int64: row k holds step k's argmax,
+  // which is step k + 1's input (step 0's is input_ids [T]); positions, slots and context_lens
+  // are [num_steps, T], row k as logits takes them for step k (block_tables and query_start
+  // serve every step). Every step's inputs are checked before the first runs.
+  at::Tensor greedy_steps(const at::Tensor& input_ids, const at::Tensor& positions,
+                          at::Tensor kv_cache, const at::Tensor& slots,
+                          const at::Tensor& block_tables, const at::Tensor& query_start,
+                          const at::Tensor& context_lens) {
+    TORCH_CHECK(positions.dim() == 2 && positions.size(0) >= 1 && slots.dim() == 2 &&
+                    context_lens.dim() == 2 && slots.size(0) == positions.size(0) &&
+                    context_lens.size(0) == positions.size(0),
+                kName, ": positions, slots and context_lens must be [num_steps, T]");
+    const int64_t num_steps = positions.size(0), T = input_ids.size(0);
+    for (int64_t k = 0; k < num_steps; ++k)
+      check(T, positions[k], kv_cache, slots[k], block_tables, query_start, context_lens[k]);
+    at::Tensor out = at::empty({num_steps, T}, input_ids.options());
+    at::Tensor ids = input_ids;
+    for (int64_t k = 0; k < num_steps; ++k) {
+      ids = std::get<1>(logits(ids, positions[k], kv_cache, slots[k], block_tables, query_start,
+                               context_lens[k]));
+      out[k].copy_(ids);
+    }
+    return out;
+  }
+
  private:
   // run (tokens: the embeddings) or logits (tokens: the ids), checked but for the step's indices
   // (greedy: where given, [T] int64 for the logits' argmax)
@@ -780,5 +805,6 @@ TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
       .def(torch::init<std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, double>())
       .def("run", &DecodeStack::run)
       .def("logits", &DecodeStack::logits)
+      .def("greedy_steps", &DecodeStack::greedy_steps)
       .def("num_layers", &DecodeStack::num_layers);
 }

@@ -13,6 +13,7 @@ models' logits spread, std ~1).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.decode_stack import MAX_TOKENS, unsupported
-from engine.input_builder import build_model_input
+from engine.input_builder import build_decode_steps, build_model_input
 from engine.llm_engine import LLMEngine
 from kernels.cpu_ops import has_blocked_linear, has_fixed_order_attention
 from scheduler.batch import BatchRow, ScheduledBatch
@@ -184,6 +185,39 @@ def test_several_decode_steps_per_pass_give_the_tokens_of_one_step_at_a_time(tin
         tokens, reasons, passes = generate(engine, prompts, params)
         assert (tokens, reasons) == one[:2]
         assert max(passes) == engine.num_scheduler_steps and len(passes) < len(one[2])
+
+
+def test_greedy_steps_are_logits_calls_in_turn_and_check_every_step_first(tiny_llama_dir):
+    engine = int4_engine(tiny_llama_dir, "float32")
+    call = engine.runner.decode_stack.call
+    rows = [  # two more blocks each, past the ones the prompts took
+        dataclasses.replace(row, block_table=row.block_table + (400 + 2 * i, 401 + 2 * i))
+        for i, row in enumerate(prefilled(engine, 3))
+    ]
+    steps = build_decode_steps(ScheduledBatch(rows=tuple(rows), num_steps=3), BLOCK_SIZE)
+    cache = engine.runner.kv_cache
+    before = cache.clone()
+
+    def greedy_steps(slots=steps.slot_mapping, context_lens=steps.context_lens):
+        return call.greedy_steps(steps.input_ids, steps.positions, cache, slots,
+                                 steps.block_tables, steps.query_start, context_lens)  # fmt: skip
+
+    got = greedy_steps()
+    after = cache.clone()
+    cache.copy_(before)
+    ids, want = steps.input_ids, []
+    for k in range(3):
+        step = (steps.positions[k], cache, steps.slot_mapping[k], steps.block_tables)
+        _, ids = call.logits(ids, *step, steps.query_start, steps.context_lens[k])
+        want.append(ids)
+    assert torch.equal(got, torch.stack(want)) and torch.equal(cache, after)
+    cache.copy_(before)
+    bad_slots = steps.slot_mapping.clone()
+    bad_slots[2, 1] = 10**6  # the last step's: refused before the first runs
+    for bad in (dict(slots=bad_slots), dict(context_lens=steps.context_lens[:2])):
+        with pytest.raises(RuntimeError, match="DecodeStack"):
+            greedy_steps(**bad)
+        assert torch.equal(cache, before)
 
 
 def test_several_decode_steps_need_the_stack_with_the_lm_head(tiny_llama_dir):
