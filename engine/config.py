@@ -175,10 +175,10 @@ class EngineConfig(BaseModel):
         ge=1,
         le=64,
         description="decode steps a batch runs per scheduling pass where every request in it "
-        "decodes greedily with no logprobs, penalties, logit_bias or structured output and no "
-        "prompt waits (tokens then reach streams in bursts of that many; a request that arrives "
-        "meanwhile waits for the pass). Needs the CPU decode stack with the 8-bit LM head; None: "
-        f"{DEFAULT_SCHEDULER_STEPS} there, else 1",
+        "decodes greedily with no logprobs, penalties, logit_bias or structured output, none is "
+        "streamed (a streamed request keeps a step a pass) and no prompt waits; a request that "
+        "arrives meanwhile waits for the pass. Needs the CPU decode stack with the 8-bit LM "
+        f"head; None: {DEFAULT_SCHEDULER_STEPS} there, else 1",
     )
     deterministic: bool = Field(
         False,

@@ -154,9 +154,8 @@ def register(subparsers: Any) -> None:
     engine.add_argument(
         "--num-scheduler-steps",
         type=int,
-        help="decode steps a batch of plain greedy decodes runs per scheduling pass (default: 4 "
-        "where the CPU decode stack holds the 8-bit LM head, else 1; tokens stream in bursts "
-        "of that many)",
+        help="decode steps a batch of plain greedy, not streamed decodes runs per scheduling "
+        "pass (default: 4 where the CPU decode stack holds the 8-bit LM head, else 1)",
     )
     engine.add_argument(
         "--compile",
