@@ -153,12 +153,8 @@ class DecodeStack:
         """Greedy tokens of several decode steps, [num_steps, num_rows] int64: each step's
         argmax of the LM head is the next step's input (needs ``holds_head``), in one call
         (``greedy_steps``: no Python, scheduling, inputs or sampling between the steps; it checks
-        every step's inputs before the first runs)."""
-        if not self.holds_head:
-            raise ValueError("several decode steps in one pass need the LM head in the call")
-        num_rows = steps.input_ids.shape[0]
-        if not 0 < num_rows <= self.max_tokens:
-            raise ValueError(f"{num_rows} rows: the stack takes 1 to {self.max_tokens}")
+        every step's inputs, the stack's head and its row limit included, before the first
+        runs)."""
         return self.call.greedy_steps(
             steps.input_ids,
             steps.positions,

@@ -268,16 +268,14 @@ class Sampler:
     def count_greedy_steps(self, request_ids: list[str], num_steps: int) -> None:
         """Counts ``num_steps`` tokens for each request, sampled outside ``sample`` (several
         decode steps in one pass take the argmax of each step's logits). Raises SamplerError,
-        changing nothing, unless every request is plain greedy with no logprobs or structured
-        output."""
+        changing nothing, unless every request is plain greedy (``SamplingParams.plain_greedy``)
+        and past its ``min_tokens``."""
         states = [self._requests.get(request_id) for request_id in request_ids]
         for request_id, state in zip(request_ids, states, strict=True):
             if state is None:
                 raise UnknownRequestError(f"unknown request id: {request_id!r}")
-            if not state.plain_greedy or state.params.logprobs is not None:
+            if not state.params.plain_greedy or state.masks_stop_ids:
                 raise SamplerError(f"request {request_id!r} does not sample by the argmax alone")
-            if state.params.structured is not None:
-                raise SamplerError(f"request {request_id!r} has a structured output")
         for state in states:
             state.num_output_tokens += num_steps  # type: ignore[union-attr]
 
