@@ -7,7 +7,8 @@
 // allocated, a fork and a join of the threads, and between them the first thread's serial
 // work, which the weights' stream keeps pushing out of the caches; the second thread waited for
 // work ~45% of a 4-bit step. Here the threads run the whole stack together and meet at 5
-// barriers a layer, each computing its share of every product's column blocks; what is small
+// barriers a layer, each computing its share of every product's column blocks and of
+// attention's items, and then what is left of the others' (Claims); what is small
 // and serial (the norms, a product's input rows rounded to int8) each thread computes whole for
 // itself rather than waiting for one to do it. From kShareRows tokens (up to 32 a step, where
 // the stack still beats the graphs) a product's input rows are rounded once, each thread a
@@ -58,6 +59,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -77,6 +79,13 @@ constexpr int64_t kShareRows = 16;
 // int4 engine's steps alternating with and without (context 256, 2 threads): 32 tokens 31.18 ->
 // 30.84 and 35.82 -> 35.32 ms, 24 tokens 28.28 -> 27.76, 16 tokens 20.55 -> 20.11.
 constexpr int64_t kEarlyParts = 8;
+// A product's column blocks are shared out (Claims) in units of kUnitBlocks blocks (the 4-bit
+// kernel's tiles of several rows span 2 blocks), each thread taking its own share in about
+// kChunks chunks; the LM head's in units of kHeadUnitBlocks blocks, one at a time (each unit's
+// argmax is kept apart, and joined in column order).
+constexpr int64_t kUnitBlocks = 2;
+constexpr int64_t kChunks = 4;
+constexpr int64_t kHeadUnitBlocks = 32;
 using splitfuse_fixed_order::kTouchTokens;
 using splitfuse_fixed_order::kWholeTokenItems;
 
@@ -217,6 +226,62 @@ class SpinBarrier {
   const int threads_;
   alignas(64) std::atomic<int> count_{0};
   alignas(64) std::atomic<int64_t> generation_{0};
+};
+
+// Work of n units (a product's column blocks, attention's items) shared out between the
+// threads of a region: each takes chunks from the front of its own contiguous share (share()'s),
+// and once that is done, single units from the back of the other threads' shares. A thread that
+// runs slower (its core busier, its caches colder) leaves its last units to the others instead
+// of making them wait at the next meeting; with even threads each computes its own share, in
+// order, as before. Which thread computes a unit changes nothing in it. A share's front and back
+// are one atomic word, so a unit is taken once; the meetings order the units' results.
+class Claims {
+ public:
+  struct alignas(64) Ends {  // a share's front | back << 32
+    std::atomic<uint64_t> word{0};
+  };
+  explicit Claims(Ends* ends) : ends_(ends) {}  // [threads] Ends the caller keeps
+
+  // the shares of n units between `threads` threads (before the region's threads take any)
+  void reset(int64_t n, int threads) {
+    for (int p = 0; p < threads; ++p) {
+      const auto [begin, end] = share(n, threads, p);
+      ends_[p].word.store(pack(begin, end), std::memory_order_relaxed);
+    }
+    threads_ = threads;
+  }
+
+  // Units [begin, end) for thread `me`: up to `chunk` from its share's front, or else one from
+  // the back of another's; {0, 0} when none is left.
+  std::pair<int64_t, int64_t> take(int me, int64_t chunk) {
+    std::atomic<uint64_t>& own = ends_[me].word;
+    for (uint64_t word = own.load(std::memory_order_relaxed);;) {
+      const int64_t front = front_of(word), back = back_of(word);
+      if (front >= back) break;
+      const int64_t end = std::min(back, front + chunk);
+      if (own.compare_exchange_weak(word, pack(end, back), std::memory_order_relaxed))
+        return {front, end};
+    }
+    for (int i = 1; i < threads_; ++i) {
+      std::atomic<uint64_t>& other = ends_[(me + i) % threads_].word;
+      for (uint64_t word = other.load(std::memory_order_relaxed);;) {
+        const int64_t front = front_of(word), back = back_of(word);
+        if (front >= back) break;
+        if (other.compare_exchange_weak(word, pack(front, back - 1), std::memory_order_relaxed))
+          return {back - 1, back};
+      }
+    }
+    return {0, 0};
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
+  }
+  static int64_t front_of(uint64_t word) { return static_cast<int64_t>(word & 0xffffffffu); }
+  static int64_t back_of(uint64_t word) { return static_cast<int64_t>(word >> 32); }
+  Ends* ends_;
+  int threads_ = 1;
 };
 
 // How a stack's products hold their weights (every product of a stack alike)
@@ -542,8 +607,19 @@ struct DecodeStack : torch::CustomClassHolder {
     std::vector<float> shared_runs(share_rows ? 2 * (T * max_in / 32) : 0);
 
     const bool int8 = kind == Kind::kInt4;
-    // each thread's argmax of each row over the LM head's columns it computed (index -1: none)
-    std::vector<RangeArgmax> argmaxes(greedy != nullptr ? threads * T : 0, {-1, 0.0f, false});
+    // the work the threads share out (Claims): per layer its 4 products' units and attention's
+    // items, then the LM head's units
+    const int64_t head_units =
+        (vocab_size + kCols * kHeadUnitBlocks - 1) / (kCols * kHeadUnitBlocks);
+    enum Phase { kQkv, kAttention, kO, kGateUp, kDown, kPhases };
+    const auto units = [](int64_t blocks) { return (blocks + kUnitBlocks - 1) / kUnitBlocks; };
+    const int64_t num_claims = num_layers() * kPhases + 1;
+    std::unique_ptr<Claims::Ends[]> ends(new Claims::Ends[num_claims * threads]);
+    std::vector<Claims> claims;
+    claims.reserve(num_claims);
+    for (int64_t i = 0; i < num_claims; ++i) claims.emplace_back(ends.get() + i * threads);
+    // each LM head unit's argmax of each row (index -1: none)
+    std::vector<RangeArgmax> argmaxes(greedy != nullptr ? head_units * T : 0, {-1, 0.0f, false});
     // the threads' meetings (made once the region's thread count is known): a waiting thread
     // spins on one cache line; ~35 us a step less waiting than OpenMP's barrier at one stream's
     // 150 meetings a step
@@ -552,8 +628,40 @@ struct DecodeStack : torch::CustomClassHolder {
     {
       const int P = omp_get_num_threads(), me = omp_get_thread_num();
 #pragma omp single
-      meeting.emplace(P);  // (a single ends at a barrier)
+      {  // (a single ends at a barrier)
+        meeting.emplace(P);
+        for (int64_t l = 0; l < num_layers(); ++l) {
+          const Layer& layer = layers[l];
+          claims[l * kPhases + kQkv].reset(units(layer.qkv.blocks()), P);
+          claims[l * kPhases + kAttention].reset(num_items, P);
+          claims[l * kPhases + kO].reset(units(layer.o.blocks()), P);
+          claims[l * kPhases + kGateUp].reset(units(intermediate_size / layer.qkv.block_cols), P);
+          claims[l * kPhases + kDown].reset(units(layer.down.blocks()), P);
+        }
+        claims.back().reset(head_units, P);
+      }
       const auto barrier = [&] { meeting->wait(); };
+      // work(begin, end) on each run of this thread's units of `c` (n units) in turn, its own
+      // share taken in about `parts` chunks
+      const auto each = [&](Claims& c, int64_t n, int64_t parts, const auto& work) {
+        const int64_t chunk = std::max<int64_t>(1, ((n + P - 1) / P + parts - 1) / parts);
+        for (;;) {
+          const auto [u0, u1] = c.take(me, chunk);
+          if (u0 >= u1) return;
+          work(u0, u1);
+        }
+      };
+      // work(block_begin, block_end) on this thread's column blocks of a product of `blocks`
+      const auto each_blocks = [&](Claims& c, int64_t blocks, int64_t parts, const auto& work) {
+        each(c, units(blocks), parts, [&](int64_t u0, int64_t u1) {
+          work(u0 * kUnitBlocks, std::min(blocks, u1 * kUnitBlocks));
+        });
+      };
+      const auto take_one = [&](Claims& c) {
+        const auto [k, end] = c.take(me, 1);
+        return k < end ? k : int64_t{-1};
+      };
+      int64_t first_item = -1;  // the attention item a layer's product asks for (many tokens)
       float* residual = own.data() + me * own_floats;
       float* rows_in = residual + T * H;
       float* d8 = rows_in + T * max_in;
@@ -625,21 +733,26 @@ struct DecodeStack : torch::CustomClassHolder {
             lens,         attended.data(), T,          q_size,     table_stride,
             kv_size,      block_size,    num_heads,    num_kv_heads, D,
             kv_per_item,  scale,         bf16 ? 1 : 0};
-        const auto [i0, i1] = share(num_items, P, me);  // this thread's attention items
-        const auto [b0, b1] = share(layer.qkv.blocks(), P, me);
-        if (T > kTouchTokens && i0 < i1) {
+        Claims& items = claims[l * kPhases + kAttention];
+        const int64_t qkv_blocks = layer.qkv.blocks();
+        if (T > kTouchTokens) {
           // many tokens: the arithmetic bounds the product and the memory sits idle, so this
-          // thread's first attention item asks for its context a share after each of
-          // kEarlyParts runs of the product's column blocks (attention's later items are asked
-          // for by the item before them; the first one waited on memory)
-          const int64_t run = (b1 - b0 + kEarlyParts - 1) / kEarlyParts;
-          for (int64_t part = 0; part < kEarlyParts; ++part) {
-            const int64_t c0 = std::min(b1, b0 + part * run);
-            multiply(layer.qkv, qkv.data(), c0, std::min(b1, c0 + run));
-            splitfuse_fixed_order::ask_for_item(args, i0, part, kEarlyParts);
-          }
+          // thread takes its first attention item now and asks for its context a share after
+          // each of kEarlyParts runs of the product's column blocks (attention's later items
+          // are asked for by the item before them; the first one waited on memory)
+          first_item = take_one(items);
+          int64_t part = 0;
+          each_blocks(claims[l * kPhases + kQkv], qkv_blocks, kEarlyParts,
+                      [&](int64_t b0, int64_t b1) {
+                        multiply(layer.qkv, qkv.data(), b0, b1);
+                        if (first_item >= 0 && part < kEarlyParts)
+                          splitfuse_fixed_order::ask_for_item(args, first_item, part++,
+                                                              kEarlyParts);
+                      });
         } else {
-          multiply(layer.qkv, qkv.data(), b0, b1);
+          first_item = -1;
+          each_blocks(claims[l * kPhases + kQkv], qkv_blocks, kChunks,
+                      [&](int64_t b0, int64_t b1) { multiply(layer.qkv, qkv.data(), b0, b1); });
         }
         barrier();
         // a few tokens' contexts loaded into the caches, one byte a line (every KV head's),
@@ -649,9 +762,12 @@ struct DecodeStack : torch::CustomClassHolder {
           const auto [c0, c1] = share(T * table_stride, P, me);
           splitfuse_fixed_order::touch_items(args, c0, c1, 1);
         }
-        // this thread's attention items: first rotary on their query and key heads and their
-        // K/V stored (x * cos + rotate_half(x) * sin), so no other thread waits on them
-        for (int64_t k = i0; k < i1; ++k) {
+        // this thread's attention items, each first rotary on its query and key heads and its
+        // K/V stored (x * cos + rotate_half(x) * sin): only the item's own token attends to
+        // them. Items of a token's every KV head take their successor before they compute, so
+        // that they ask for its context meanwhile.
+        const bool ahead = kv_per_item == num_kv_heads;
+        for (int64_t k = first_item >= 0 ? first_item : take_one(items); k >= 0;) {
           const auto [t, kv0] = splitfuse_fixed_order::item_of(args, k);
           const float* cos = cos_sin_ptr + position[t] * D;
           const float* sin = cos + half;
@@ -673,30 +789,34 @@ struct DecodeStack : torch::CustomClassHolder {
               std::memcpy(reinterpret_cast<float*>(values) + at, value, sizeof(float) * D);
             }
           }
+          const int64_t next = ahead ? take_one(items) : -1;
+          splitfuse_fixed_order::attend_items(args, k, k + 1, next);
+          k = ahead ? next : take_one(items);
         }
-        if (i0 < i1) splitfuse_fixed_order::attend_items(args, i0, i1);
         barrier();
         round_into(attended.data(), rows_in, T * q_size, bf16);
         prepare(rows_in, q_size, int8);
-        const auto [o0, o1] = share(layer.o.blocks(), P, me);
-        multiply(layer.o, projected.data(), o0, o1);
+        each_blocks(claims[l * kPhases + kO], layer.o.blocks(), kChunks,
+                    [&](int64_t b0, int64_t b1) { multiply(layer.o, projected.data(), b0, b1); });
         barrier();
         norm(layer.post_norm, projected.data(), false);
         prepare(rows_in, H, int8);
         // gate column blocks [g0, g1) and the up blocks I apart, then SiLU(gate) * up there
         const int64_t gate_blocks = I / block_cols;
-        const auto [g0, g1] = share(gate_blocks, P, me);
-        multiply(layer.gate_up, gate_up.data(), g0, g1);
-        multiply(layer.gate_up, gate_up.data(), gate_blocks + g0, gate_blocks + g1);
-        for (int64_t t = 0; t < T; ++t) {
-          const float* gate = gate_up.data() + t * 2 * I + g0 * block_cols;
-          silu_mul(gate, gate + I, act.data() + t * I + g0 * block_cols, (g1 - g0) * block_cols,
-                   bf16);
-        }
+        each_blocks(claims[l * kPhases + kGateUp], gate_blocks, kChunks,
+                    [&](int64_t g0, int64_t g1) {
+                      multiply(layer.gate_up, gate_up.data(), g0, g1);
+                      multiply(layer.gate_up, gate_up.data(), gate_blocks + g0, gate_blocks + g1);
+                      for (int64_t t = 0; t < T; ++t) {
+                        const float* gate = gate_up.data() + t * 2 * I + g0 * block_cols;
+                        silu_mul(gate, gate + I, act.data() + t * I + g0 * block_cols,
+                                 (g1 - g0) * block_cols, bf16);
+                      }
+                    });
         barrier();
         prepare(act.data(), I, int8);
-        const auto [n0, n1] = share(layer.down.blocks(), P, me);
-        multiply(layer.down, x.data(), n0, n1);
+        each_blocks(claims[l * kPhases + kDown], layer.down.blocks(), kChunks,
+                    [&](int64_t b0, int64_t b1) { multiply(layer.down, x.data(), b0, b1); });
         barrier();
       }
       if (from_ids) {
@@ -704,15 +824,21 @@ struct DecodeStack : torch::CustomClassHolder {
         // head's column blocks
         norm(final_norm, x.data(), false);
         prepare(rows_in, H, true);
-        const auto [b0, b1] = share((vocab_size + kCols - 1) / kCols, P, me);
+        const int64_t head_blocks = (vocab_size + kCols - 1) / kCols;
         float* logits_ptr = out.data_ptr<float>();
-        int4.columns8(q8, d8, s8, T, H, vocab_size, head_packed.data_ptr<uint8_t>(),
-                      reinterpret_cast<const uint16_t*>(head_scales.data_ptr<at::Half>()),
-                      head_group, b0, b1, tile_out, logits_ptr);
-        const int64_t c0 = b0 * kCols, c1 = std::min(vocab_size, b1 * kCols);
-        if (greedy != nullptr && c0 < c1)
-          for (int64_t t = 0; t < T; ++t)
-            argmaxes[me * T + t] = range_argmax(logits_ptr + t * vocab_size, c0, c1);
+        each(claims.back(), head_units, head_units, [&](int64_t u0, int64_t u1) {
+          for (int64_t u = u0; u < u1; ++u) {
+            const int64_t b0 = u * kHeadUnitBlocks;
+            const int64_t b1 = std::min(head_blocks, b0 + kHeadUnitBlocks);
+            int4.columns8(q8, d8, s8, T, H, vocab_size, head_packed.data_ptr<uint8_t>(),
+                          reinterpret_cast<const uint16_t*>(head_scales.data_ptr<at::Half>()),
+                          head_group, b0, b1, tile_out, logits_ptr);
+            const int64_t c0 = b0 * kCols, c1 = std::min(vocab_size, b1 * kCols);
+            if (greedy != nullptr)
+              for (int64_t t = 0; t < T; ++t)
+                argmaxes[u * T + t] = range_argmax(logits_ptr + t * vocab_size, c0, c1);
+          }
+        });
       } else if (me == 0) {
         norm(final_norm, x.data(), false);
         if (bf16) {
@@ -723,12 +849,12 @@ struct DecodeStack : torch::CustomClassHolder {
         }
       }
     }
-    if (greedy != nullptr) {  // the threads' ranges in column order (thread p's come before p + 1's)
+    if (greedy != nullptr) {  // the units' ranges in column order
       int64_t* ids = greedy->data_ptr<int64_t>();
       for (int64_t t = 0; t < T; ++t) {
         RangeArgmax best{-1, 0.0f, false};
-        for (int p = 0; p < threads; ++p) {
-          const RangeArgmax& part = argmaxes[p * T + t];
+        for (int64_t u = 0; u < head_units; ++u) {
+          const RangeArgmax& part = argmaxes[u * T + t];
           if (part.index >= 0) best = best.index < 0 ? part : join_ranges(best, part);
         }
         ids[t] = best.index;

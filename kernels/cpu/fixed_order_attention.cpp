@@ -111,7 +111,7 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 
 namespace {
 
-using RunFn = void (*)(const FixedOrderArgs&, int64_t, int64_t);
+using RunFn = void (*)(const FixedOrderArgs&, int64_t, int64_t, int64_t);
 
 // The widest body the CPU runs (they give the same bits); SPLITFUSE_CPU_ISA=avx2 or sse2 asks
 // for a narrower one, as for the quantized product.
@@ -228,7 +228,8 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
       touch_items(args, begin, end, 0);
     });
   const int64_t num_items = num_tokens * (num_kv_heads / kv_per_item);
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) { run_fn(args, begin, end); });
+  at::parallel_for(0, num_items, 1,
+                   [&](int64_t begin, int64_t end) { run_fn(args, begin, end, -1); });
   return out;
 }
 
@@ -259,8 +260,8 @@ void touch_items(const FixedOrderArgs& args, int64_t begin, int64_t end, int64_t
   }
 }
 
-void attend_items(const FixedOrderArgs& args, int64_t begin, int64_t end) {
-  run_fn(args, begin, end);
+void attend_items(const FixedOrderArgs& args, int64_t begin, int64_t end, int64_t next) {
+  run_fn(args, begin, end, next);
 }
 
 std::pair<int64_t, int64_t> item_of(const FixedOrderArgs& args, int64_t k) {

@@ -59,8 +59,10 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
 
 // For a caller that runs its own parallel region (decode_stack.cpp): work items [begin, end)
 // of the fixed-order kernel on `args` (items as fixed_order_attention_body.h's item_at numbers
-// them: (token, group of kv_per_item KV heads)), on inputs its checks accept.
-void attend_items(const FixedOrderArgs& args, int64_t begin, int64_t end);
+// them: (token, group of kv_per_item KV heads)), on inputs its checks accept. Each item asks
+// for its successor's context while it computes (items of a token's every KV head): the last
+// one for item `next`'s, where it is not -1 (the item the caller runs after these).
+void attend_items(const FixedOrderArgs& args, int64_t begin, int64_t end, int64_t next = -1);
 
 // Loads one byte of every cache line of the contexts of (token, block of its table) items
 // [begin, end) (item = token * table_stride + block), every KV head's rows, leaving out the last

@@ -417,17 +417,19 @@ static inline Ahead ahead_for(const FixedOrderArgs& a, int64_t k, int64_t calls,
                (2 * it.length + calls - 1) / calls};
 }
 
-// For item k of [begin, end) that computes in `calls` calls of issue(): its successor's context
-// (none where k is the last or items hold one KV head each)
+// For item k of [begin, end) that computes in `calls` calls of issue(): its successor's context,
+// k + 1 or after the last item `next` (none where next is -1 or items hold one KV head each)
 template <typename CacheT>
-static inline Ahead ahead_of(const FixedOrderArgs& a, int64_t k, int64_t end, int64_t calls) {
-  if (a.kv_per_item != a.num_kv_heads || k + 1 >= end) return Ahead{};
-  return ahead_for(a, k + 1, calls, static_cast<int64_t>(sizeof(CacheT)));
+static inline Ahead ahead_of(const FixedOrderArgs& a, int64_t k, int64_t end, int64_t next,
+                             int64_t calls) {
+  const int64_t after = k + 1 < end ? k + 1 : next;
+  if (a.kv_per_item != a.num_kv_heads || after < 0) return Ahead{};
+  return ahead_for(a, after, calls, static_cast<int64_t>(sizeof(CacheT)));
 }
 
 // Items [begin, end) of 64-dim heads through attend_heads64
 template <typename QueryT, typename CacheT>
-static void register_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
+static void register_items(const FixedOrderArgs& a, int64_t begin, int64_t end, int64_t next) {
   constexpr int64_t D = 64;
   const int64_t G = a.num_heads / a.num_kv_heads, nkv = a.kv_per_item;
   const auto* query = static_cast<const QueryT*>(a.query);
@@ -440,7 +442,8 @@ static void register_items(const FixedOrderArgs& a, int64_t begin, int64_t end) 
     weights.resize(3 * it.length);
     // issue() twice a block in each of the item's passes
     const int64_t passes = nkv * ((G + 2) / 3);
-    Ahead ahead = ahead_of<CacheT>(a, k, end, passes * 2 * ((it.length + kBlock - 1) / kBlock));
+    Ahead ahead =
+        ahead_of<CacheT>(a, k, end, next, passes * 2 * ((it.length + kBlock - 1) / kBlock));
     for (int64_t kv = it.kv0; kv < it.kv0 + nkv; ++kv)
       for (int64_t h0 = 0; h0 < G; h0 += 3) {  // query heads kv * G + h0 ..., 3 at a time
         const QueryT* query_rows[3];
@@ -465,7 +468,7 @@ static void register_items(const FixedOrderArgs& a, int64_t begin, int64_t end) 
 
 // Items [begin, end) of any head size: a block of rows widened into a buffer at a time
 template <typename QueryT, typename CacheT>
-static void buffer_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
+static void buffer_items(const FixedOrderArgs& a, int64_t begin, int64_t end, int64_t next) {
   const int64_t G = a.num_heads / a.num_kv_heads, D = a.head_dim, nkv = a.kv_per_item;
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
   const int64_t heads = nkv * G;  // an item's query heads
@@ -486,7 +489,7 @@ static void buffer_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
       for (int64_t d = 0; d < D; ++d) queries[h * Dp + lane_of(d, D)] = to_float(q[d]);
     }
     weights.resize(heads * length);
-    Ahead ahead = ahead_of<CacheT>(a, k, end, 2 * ((length + kBlock - 1) / kBlock));
+    Ahead ahead = ahead_of<CacheT>(a, k, end, next, 2 * ((length + kBlock - 1) / kBlock));
     // scores, a block of positions' keys widened at once (the next block's rows touched first)
     for (int64_t p0 = 0; p0 < length; p0 += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, length - p0);
@@ -559,18 +562,19 @@ static void buffer_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
 }
 
 template <typename QueryT, typename CacheT>
-static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t end) {
+static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t end,
+                              int64_t next) {
   if (a.head_dim == 64 && !std::is_same<CacheT, Fp16>::value)
-    register_items<QueryT, CacheT>(a, begin, end);
+    register_items<QueryT, CacheT>(a, begin, end, next);
   else
-    buffer_items<QueryT, CacheT>(a, begin, end);
+    buffer_items<QueryT, CacheT>(a, begin, end, next);
 }
 
-static void fixed_order_run(const FixedOrderArgs& a, int64_t begin, int64_t end) {
+static void fixed_order_run(const FixedOrderArgs& a, int64_t begin, int64_t end, int64_t next) {
   switch (a.kinds) {
 #define SF_CASE(Q, C, QT, CT) \
   case (Q) * 3 + (C):         \
-    return fixed_order_items<QT, CT>(a, begin, end);
+    return fixed_order_items<QT, CT>(a, begin, end, next);
     SF_CASE(0, 0, float, float)
     SF_CASE(0, 1, float, Bf16)
     SF_CASE(0, 2, float, Fp16)
