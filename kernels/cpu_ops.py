@@ -50,9 +50,11 @@ before the cache is written.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -65,29 +67,70 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+_SOURCES = (
+    "quant_linear.cpp",
+    "fixed_order_attention.cpp",
+    "ragged_attention.cpp",
+    "blocked_linear.cpp",
+    "int4_linear.cpp",
+    "graph_call.cpp",
+    "decode_stack.cpp",
+    "greedy_argmax.cpp",
+)
+_CFLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp")
+# A build takes 1.5-3 minutes on 2 cores: a build lock older than this was left by a process
+# that died while it held it
+_STALE_LOCK_SECONDS = 20 * 60
+
+
+def _stamp() -> str:
+    """What the library is built from: every source and header of ``kernels/cpu/``, the flags and
+    torch's version."""
+    digest = hashlib.sha256(repr((_CFLAGS, torch.__version__)).encode())
+    for path in sorted(_SOURCE_DIR.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def _build() -> str:
     """Builds (or loads the cached build of) the C++ operator; returns the instruction set it runs
-    with. Raises where it cannot be built."""
+    with. Raises where it cannot be built.
+
+    A library built from these very sources (its stamp says so) is loaded directly. torch's
+    builder takes a lock file in the build folder even to find that nothing needs building, and
+    a process killed while it holds it (a server stopped during start-up) leaves it there: every
+    later start would wait on it forever. Where a build is needed, a lock older than any build
+    is removed first."""
     from torch.utils import cpp_extension
 
+    directory = Path(cpp_extension._get_build_directory(_EXTENSION, verbose=False))
+    library = directory / f"{_EXTENSION}.so"
+    stamp_path = directory / "splitfuse.stamp"
+    stamp = _stamp()
+    if library.is_file() and stamp_path.is_file() and stamp_path.read_text() == stamp:
+        torch.ops.load_library(str(library))
+        return str(torch.ops.splitfuse_cpu.instruction_set())
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        age = 0.0
+    if age > _STALE_LOCK_SECONDS:
+        logger.warning("removing a build lock left %.0f minutes ago: %s", age / 60, lock)
+        lock.unlink(missing_ok=True)
     cpp_extension.load(
         name=_EXTENSION,
-        sources=[
-            str(_SOURCE_DIR / "quant_linear.cpp"),
-            str(_SOURCE_DIR / "fixed_order_attention.cpp"),
-            str(_SOURCE_DIR / "ragged_attention.cpp"),
-            str(_SOURCE_DIR / "blocked_linear.cpp"),
-            str(_SOURCE_DIR / "int4_linear.cpp"),
-            str(_SOURCE_DIR / "graph_call.cpp"),
-            str(_SOURCE_DIR / "decode_stack.cpp"),
-            str(_SOURCE_DIR / "greedy_argmax.cpp"),
-        ],
+        sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
         extra_include_paths=[str(_SOURCE_DIR)],
-        extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"],
+        extra_cflags=list(_CFLAGS),
         extra_ldflags=[],
         is_python_module=False,
         verbose=os.environ.get("SPLITFUSE_VERBOSE_BUILD") == "1",
     )
+    written = stamp_path.with_name(f"{stamp_path.name}.{os.getpid()}")
+    written.write_text(stamp)
+    os.replace(written, stamp_path)  # (readers see the old stamp or the new one, whole)
     return str(torch.ops.splitfuse_cpu.instruction_set())
 
 
