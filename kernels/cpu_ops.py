@@ -97,7 +97,8 @@ def _build() -> str:
     """Builds (or loads the cached build of) the C++ operator; returns the instruction set it runs
     with. Raises where it cannot be built.
 
-    A library built from these very sources (its stamp says so) is loaded directly. torch's
+    A library built from these very sources (its stamp says so, written after it: a library
+    rebuilt since by another checkout sharing the folder is newer) is loaded directly. torch's
     builder takes a lock file in the build folder even to find that nothing needs building, and
     a process killed while it holds it (a server stopped during start-up) leaves it there: every
     later start would wait on it forever. Where a build is needed, a lock older than any build
@@ -108,7 +109,12 @@ def _build() -> str:
     library = directory / f"{_EXTENSION}.so"
     stamp_path = directory / "splitfuse.stamp"
     stamp = _stamp()
-    if library.is_file() and stamp_path.is_file() and stamp_path.read_text() == stamp:
+    if (
+        library.is_file()
+        and stamp_path.is_file()
+        and stamp_path.stat().st_mtime >= library.stat().st_mtime
+        and stamp_path.read_text() == stamp
+    ):
         torch.ops.load_library(str(library))
         return str(torch.ops.splitfuse_cpu.instruction_set())
     lock = directory / "lock"
