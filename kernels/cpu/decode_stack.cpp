@@ -601,6 +601,7 @@ struct DecodeStack : torch::CustomClassHolder {
     std::vector<float> own(threads * own_floats);
     std::vector<uint8_t> own_rows(threads * own_bytes);
     const int64_t block_cols = layers.front().qkv.block_cols;
+    const int64_t gate_blocks = I / block_cols;  // the gate's column blocks (the up's follow)
     // from kShareRows tokens the threads prepare a product's input rows between them, into
     // buffers they share, and meet at one more barrier before the product
     const bool share_rows = threads > 1 && T >= kShareRows;
@@ -636,7 +637,7 @@ struct DecodeStack : torch::CustomClassHolder {
           claims[l * kPhases + kQkv].reset(units(layer.qkv.blocks()), P);
           claims[l * kPhases + kAttention].reset(num_items, P);
           claims[l * kPhases + kO].reset(units(layer.o.blocks()), P);
-          claims[l * kPhases + kGateUp].reset(units(intermediate_size / layer.qkv.block_cols), P);
+          claims[l * kPhases + kGateUp].reset(units(gate_blocks), P);
           claims[l * kPhases + kDown].reset(units(layer.down.blocks()), P);
         }
         claims.back().reset(head_units, P);
@@ -803,7 +804,6 @@ struct DecodeStack : torch::CustomClassHolder {
         norm(layer.post_norm, projected.data(), false);
         prepare(rows_in, H, int8);
         // gate column blocks [g0, g1) and the up blocks I apart, then SiLU(gate) * up there
-        const int64_t gate_blocks = I / block_cols;
         each_blocks(claims[l * kPhases + kGateUp], gate_blocks, kChunks,
                     [&](int64_t g0, int64_t g1) {
                       multiply(layer.gate_up, gate_up.data(), g0, g1);
