@@ -86,18 +86,10 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace splitfuse_attention_avx2 {
-static inline v16 fma16(v16 a, v16 b, v16 c) {
-  const v8 lo = (v8)_mm256_fmadd_ps(
-      (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
-      (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
-      (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
-  const v8 hi = (v8)_mm256_fmadd_ps(
-      (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
-      (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
-      (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
+#define SF_ATTENTION_AVX2 1
+#include "fixed_order_attention_avx2.h"
 #include "fixed_order_attention_body.h"
+#undef SF_ATTENTION_AVX2
 }  // namespace splitfuse_attention_avx2
 #pragma GCC pop_options
 

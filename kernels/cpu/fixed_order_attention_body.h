@@ -12,6 +12,9 @@
 // std::fma), so a vectorized loop and its scalar remainder give the same bits, and so do the
 // AVX-512, AVX2 and plain builds.
 
+// The 16-lane vector's helpers; the AVX2 build defines its own (fixed_order_attention_avx2.h),
+// which compute the same lanes.
+#ifndef SF_ATTENTION_AVX2
 // exp(x) per lane for x <= 0, within ~1 ulp; 0 below -87.3 (where exp leaves the normal
 // floats). A lane's result depends on that lane alone.
 static inline v16 exp16_nonpositive(v16 x) {
@@ -51,6 +54,9 @@ static inline v16 splat16(float x) {
   return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 }
 
+static inline v16 larger16(v16 a, v16 b) { return a > b ? a : b; }
+#endif
+
 // The row of position p of KV head kv in `cache`, through the block table. Where a block holds
 // a multiple of kBlock positions, the kBlock positions from a multiple of kBlock lie in one
 // block, rows slot_stride apart: row_at(p0) + i * slot_stride is position p0 + i's, one 64-bit
@@ -63,6 +69,7 @@ static inline const CacheT* row_at(const CacheT* cache, const FixedOrderArgs& a,
   return cache + slot * a.slot_stride + kv * a.head_dim;
 }
 
+#ifndef SF_ATTENTION_AVX2
 // The 16 lanes of each of sixteen accumulators added as a fixed tree, all at once: halves,
 // quarters, then pairs of lanes, then lanes (lane i of the result is a[i]'s sum). Lanes of
 // different accumulators never meet, so an accumulator's sum does not depend on the others.
@@ -97,6 +104,7 @@ static inline float lane_tree(v16 acc) {
                       __builtin_shufflevector(eighths, eighths, 4, 5, 6, 7);
   return (quarters[0] + quarters[2]) + (quarters[1] + quarters[3]);
 }
+#endif
 
 // A row of head_dim values is widened to float32 in groups of 32 dims, each laid out as its 16
 // even dims then its 16 odd dims (lane_of); a last group of fewer dims keeps its order. The
@@ -109,6 +117,7 @@ static inline int64_t lane_of(int64_t d, int64_t D) {
   return d - r + (r % 2) * 16 + r / 2;
 }
 
+#ifndef SF_ATTENTION_AVX2
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 
 // 32 values from in: the even dims into even, the odd dims into odd
@@ -147,6 +156,7 @@ static inline void store_pairs(float* out, v16 even, v16 odd) {
   store16(out + kLanes, __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28,
                                                 13, 29, 14, 30, 15, 31));
 }
+#endif
 
 // A block's n <= kBlock scores into w: a whole block as one vector (a copy of variable length
 // compiled to `rep movsq`, ~6% of a call of 32 decode tokens)
@@ -239,10 +249,11 @@ static inline float exponentiate(float* w, int64_t length) {
   v16 tops = v16{} + w[0];  // the largest score, whatever the order it is found in
   for (int64_t p = 0; p < whole; p += kLanes) {
     const v16 v = load16(w + p);
-    tops = v > tops ? v : tops;
+    tops = larger16(v, tops);
   }
-  float top = w[0];
-  for (int l = 0; l < kLanes; ++l) top = tops[l] > top ? tops[l] : top;
+  float top = w[0], lanes[kLanes];
+  store16(lanes, tops);
+  for (int l = 0; l < kLanes; ++l) top = lanes[l] > top ? lanes[l] : top;
   for (int64_t p = whole; p < length; ++p) top = w[p] > top ? w[p] : top;
   v16 total = {};
   for (int64_t p = 0; p < whole; p += kLanes) {
@@ -251,10 +262,11 @@ static inline float exponentiate(float* w, int64_t length) {
     total = total + e;
   }
   if (whole < length) {  // the last positions in lanes 0 ..; the other lanes' exp is 0
-    v16 tail = v16{} - INFINITY;
-    for (int64_t p = whole; p < length; ++p) tail[p - whole] = w[p] - top;
-    tail = exp16_nonpositive(tail);
-    for (int64_t p = whole; p < length; ++p) w[p] = tail[p - whole];
+    for (int l = 0; l < kLanes; ++l) lanes[l] = -INFINITY;
+    for (int64_t p = whole; p < length; ++p) lanes[p - whole] = w[p] - top;
+    const v16 tail = exp16_nonpositive(load16(lanes));
+    store16(lanes, tail);
+    for (int64_t p = whole; p < length; ++p) w[p] = lanes[p - whole];
     total = total + tail;
   }
   return lane_tree(total);

@@ -207,8 +207,17 @@ import sys, torch
 from kernels.cpu_ops import load
 from tests.kernels.test_fixed_order_attention import _attend, _case
 load()
-case = _case([1, 9, 1], [50, 30, 17], 9, 3, 64, 8, torch.bfloat16, torch.bfloat16, 5)
-torch.save(_attend(*case, 0.125), sys.argv[1])
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+results = []
+for dtype, cache_dtype, head_dim in [
+    (bf16, bf16, 64), (f32, f32, 64), (f32, bf16, 64), (f16, f16, 64), (f32, f32, 80)
+]:
+    case = _case([1, 9, 1], [50, 30, 17], 9, 3, head_dim, 8, dtype, cache_dtype, 5)
+    results.append(_attend(*case, 0.125))
+# 40 decode tokens: items of a token's every KV head, the next one's context asked for ahead
+case = _case([1] * 40, [70 + 3 * i for i in range(40)], 9, 3, 64, 16, f32, f32, 6)
+results.append(_attend(*case, 0.125))
+torch.save(results, sys.argv[1])
 """
 
 
@@ -229,4 +238,5 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
         results[isa] = torch.load(path)
     widest = results.pop("")
     for isa, result in results.items():
-        assert torch.equal(result, widest), isa
+        for case, (got, want) in enumerate(zip(result, widest, strict=True)):
+            assert torch.equal(got, want), (isa, case)
