@@ -68,9 +68,12 @@ namespace int4_avx2 {
 typedef int32_t vint __attribute__((vector_size(32)));
 typedef float vfloat __attribute__((vector_size(32)));
 typedef uint8_t vbyte __attribute__((vector_size(32)));
-static inline vint dot4(vint acc, vbyte w, int32_t x) {
-  const __m256i pairs = _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(x));
-  return acc + (vint)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+typedef int16_t vpair __attribute__((vector_size(32)));
+static inline vpair byte_pairs(vbyte w, int32_t x) {
+  return (vpair)_mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(x));
+}
+static inline vint pair_sums(vpair p) {
+  return (vint)_mm256_madd_epi16((__m256i)p, _mm256_set1_epi16(1));
 }
 static inline vfloat load_halves(const uint16_t* p) {
   return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -1,7 +1,7 @@
 // The AVX-512 parameters and helpers of int4_linear_body.h, included inside a namespace under
 // `#pragma GCC target`; SF_VNNI (1 or 0) picks how bytes multiply: VPDPBUSD, or without VNNI
-// pairs of byte products in int16 (at most 2 * 15 * 127: no saturation), then pairs of those in
-// int32.
+// pairs of byte products in int16 (at most 2 * 15 * 127: no saturation), summed over a run and
+// then widened in pairs to int32.
 
 #define SF_LANES 16
 #define SF_ROW_TILE 4
@@ -11,14 +11,19 @@
 typedef int32_t vint __attribute__((vector_size(64)));
 typedef float vfloat __attribute__((vector_size(64)));
 typedef uint8_t vbyte __attribute__((vector_size(64)));
-static inline vint dot4(vint acc, vbyte w, int32_t x) {
 #if SF_VNNI
+static inline vint dot4(vint acc, vbyte w, int32_t x) {
   return (vint)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x));
-#else
-  const __m512i pairs = _mm512_maddubs_epi16((__m512i)w, _mm512_set1_epi32(x));
-  return acc + (vint)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
-#endif
 }
+#else
+typedef int16_t vpair __attribute__((vector_size(64)));
+static inline vpair byte_pairs(vbyte w, int32_t x) {
+  return (vpair)_mm512_maddubs_epi16((__m512i)w, _mm512_set1_epi32(x));
+}
+static inline vint pair_sums(vpair p) {
+  return (vint)_mm512_madd_epi16((__m512i)p, _mm512_set1_epi16(1));
+}
+#endif
 static inline vfloat load_halves(const uint16_t* p) {
   return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

@@ -4,9 +4,13 @@
 //   SF_ROW_TILE     rows of x per micro-kernel call when there are several
 //   SF_COL_BLOCKS   column blocks per micro-kernel call when there are several rows
 //   vint, vfloat    SF_LANES int32s / floats; vbyte: 4 * SF_LANES uint8s
-//   dot4(acc, w, x) acc + per lane the sum of its 4 bytes of w (0..15) times the 4 int8s of x
-//   SF_BYTE_DOT     1 where dot4 takes bytes of any value (0..255: VNNI's VPDPBUSD), 0 where
-//                   it sums byte products in pairs of int16 (4-bit values only)
+//   SF_BYTE_DOT     1 where bytes of any value (0..255) multiply whole (VNNI's VPDPBUSD), 0
+//                   where they multiply in pairs into int16 lanes (4-bit values only)
+//   dot4(acc, w, x) (SF_BYTE_DOT 1) acc + per int32 lane the sum of its 4 bytes of w times the
+//                   4 int8s of x
+//   byte_pairs(w, x), pair_sums(p)   (SF_BYTE_DOT 0) per int16 lane the sum of its 2 bytes of w
+//                   (0..15) times 2 int8s of x (VPMADDUBSW); per int32 lane the sum of its 2
+//                   int16s (VPMADDWD)
 //   load_halves(p)  SF_LANES float16s as floats
 //   round_even(v)   v rounded to the nearest integer, ties to even (as the reference rounds)
 // The rest is GCC vector extensions, so one source becomes AVX-512 (with or without VNNI), AVX2
@@ -127,13 +131,20 @@ static void quantize_rows(const T* x, int64_t K, int64_t begin, int64_t end, int
   }
 }
 
-template <int CHAINS>
-static inline vint chain_sum(const vint* sums) {
-  if constexpr (CHAINS == 1)
-    return sums[0];
-  else
-    return sums[0] + sums[1];
-}
+// A run's byte products add up in vrun lanes: int32 sums where bytes multiply whole (dot4);
+// else int16 sums of pairs of products (byte_pairs), widened to int32 once a run (pair_sums)
+// instead of once a step. A run adds at most 8 pairs of 4-bit values times int8s (-127..127) to
+// a lane, 8 * 2 * 15 * 127 = 30,480 < 2^15: no int16 sum wraps, and the int32 sums are the same.
+// The default model's one-row products held to AVX2, alternated in one process: see README.
+#if SF_BYTE_DOT
+typedef vint vrun;
+static inline vrun run_add(vrun acc, vbyte w, int32_t x) { return dot4(acc, w, x); }
+static inline vint run_sum(vrun acc) { return acc; }
+#else
+typedef int16_t vrun __attribute__((vector_size(4 * SF_LANES)));
+static inline vrun run_add(vrun acc, vbyte w, int32_t x) { return acc + byte_pairs(w, x); }
+static inline vint run_sum(vrun acc) { return pair_sums(acc); }
+#endif
 
 // out [ROWS, CB * 16] (row stride ldo) = ROWS rows of int8 x times CB packed blocks of 16
 // columns of BITS-bit weights. A 4-bit block is K / 8 steps of 64 bytes: step k8 holds, for
@@ -171,11 +182,11 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
   int64_t group = 0, run_in_group = 0;
   int64_t fetch_at = fetch_first;  // the next step whose lines of the next blocks are asked for
   for (int64_t run = 0; run < runs; ++run) {
-    vint dot[ROWS][CB][kVecs][kChains];
+    vrun dot[ROWS][CB][kVecs][kChains];
     for (int r = 0; r < ROWS; ++r)
       for (int c = 0; c < CB; ++c)
         for (int v = 0; v < kVecs; ++v)
-          for (int h = 0; h < kChains; ++h) dot[r][c][v][h] = (vint){};
+          for (int h = 0; h < kChains; ++h) dot[r][c][v][h] = (vrun){};
     for (int step = 0; step < kSteps; ++step) {
       const int64_t k8 = run * kSteps + step;  // the step in the block
       // One or two rows wait on the weight's bytes, and the hardware prefetcher starts over
@@ -209,8 +220,8 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
           const int32_t x_high = BITS == 4 ? load_word(xq + r * K + k8 * 8 + 4) : x_low;
           for (int c = 0; c < CB; ++c)
             for (int v = 0; v < kVecs; ++v) {
-              dot[r][c][v][0] = dot4(dot[r][c][v][0], low[c][v], x_low);
-              dot[r][c][v][kChains - 1] = dot4(dot[r][c][v][kChains - 1], high[c][v], x_high);
+              dot[r][c][v][0] = run_add(dot[r][c][v][0], low[c][v], x_low);
+              dot[r][c][v][kChains - 1] = run_add(dot[r][c][v][kChains - 1], high[c][v], x_high);
             }
         }
       } else {  // 8-bit bytes whole
@@ -223,7 +234,7 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
           const int32_t x4 = load_word(xq + r * K + k8 * 4);
           for (int c = 0; c < CB; ++c)
             for (int v = 0; v < kVecs; ++v)
-              dot[r][c][v][chain] = dot4(dot[r][c][v][chain], w[c][v], x4);
+              dot[r][c][v][chain] = run_add(dot[r][c][v][chain], w[c][v], x4);
         }
       }
     }
@@ -233,8 +244,11 @@ static void tile(const int8_t* xq, const float* xd, const float* xs, int64_t K,
         const vfloat scale = load_halves(scales + at);
         const vfloat min = BITS == 4 ? load_halves(mins + at) : scale * -128.0f;
         for (int r = 0; r < ROWS; ++r) {
-          const vint sum = kNibbles ? dot[r][c][v][0] + (dot[r][c][v][kChains - 1] << 4)
-                                    : chain_sum<kChains>(dot[r][c][v]);
+          // (the two sums of 4 bits join before they widen: 8 pairs at most)
+          const vint sum = kNibbles       ? run_sum(dot[r][c][v][0]) +
+                                                (run_sum(dot[r][c][v][kChains - 1]) << 4)
+                           : kChains == 1 ? run_sum(dot[r][c][v][0])
+                                          : run_sum(dot[r][c][v][0] + dot[r][c][v][kChains - 1]);
           acc[r][c][v] += __builtin_convertvector(sum, vfloat) * (scale * xd[r * runs + run]) +
                           min * xs[r * runs + run];
         }

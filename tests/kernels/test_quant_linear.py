@@ -309,11 +309,21 @@ def integer_dot_digest() -> str:
     FMA gives the same bits."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(37, 192, generator=generator)
+    # the largest sums a run can hold: every x value +-127 after rounding, every 4-bit value 15
+    # and every 8-bit one +-127 (the int16 sums of the instruction sets without VNNI)
+    extreme_x = torch.ones(5, 192)
+    extreme_x[1::2] = -1.0
+    extreme_w = torch.ones(45, 192)
+    extreme_w[:, ::64] = 0.0  # each group's least value, so that the others are its largest
+    extreme_w[::2] *= -1.0
     outputs = []
     for bits in (4, 8):
         quantized = quantize(torch.randn(45, 192, generator=generator), bits, 64)
         for rows in (1, 2, 5, 37):
             outputs.append(product(x[:rows], quantized, packed8=bits == 8))
+        extreme = quantize(extreme_w, bits, 64)
+        for rows in (1, 2, 5):
+            outputs.append(product(extreme_x[:rows], extreme, packed8=bits == 8))
     return hashlib.sha256(torch.cat([o.flatten() for o in outputs]).numpy().tobytes()).hexdigest()
 
 
