@@ -93,6 +93,14 @@ def _stamp() -> str:
     return digest.hexdigest()
 
 
+def build_directory() -> Path:
+    """The folder torch's extension builder builds and caches the library in (its lock file and
+    our stamp lie there too)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(_EXTENSION, verbose=False))
+
+
 def _build() -> str:
     """Builds (or loads the cached build of) the C++ operator; returns the instruction set it runs
     with. Raises where it cannot be built.
@@ -105,7 +113,7 @@ def _build() -> str:
     is removed first."""
     from torch.utils import cpp_extension
 
-    directory = Path(cpp_extension._get_build_directory(_EXTENSION, verbose=False))
+    directory = build_directory()
     library = directory / f"{_EXTENSION}.so"
     stamp_path = directory / "splitfuse.stamp"
     stamp = _stamp()

@@ -20,9 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_current_build_loads_past_a_build_lock_left_behind() -> None:
     if cpu_ops.load() == "torch":
         pytest.skip("the C++ operators are not built here")
-    from torch.utils import cpp_extension
-
-    directory = Path(cpp_extension._get_build_directory(cpu_ops._EXTENSION, verbose=False))
+    directory = cpu_ops.build_directory()
     assert (directory / "splitfuse.stamp").read_text() == cpu_ops._stamp()
     lock = directory / "lock"
     if lock.exists():
