@@ -3,7 +3,8 @@
     python benchmarks/accuracy.py
     python benchmarks/accuracy.py --configs float32/none float32/int8 float32/int4
 
-For each configuration (dtype/quantization):
+For each configuration (dtype/quantization, or dtype/quantization/KV-cache dtype; the cache's
+is the engine's auto otherwise, and the table names it):
     perplexity   of a fixed public-domain text shipped with the tests (the Gettysburg Address,
                  then the Zen of Python from the standard library's ``this`` module), one
                  forward over the whole text, every position scored
@@ -96,10 +97,14 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[float,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    default = ["float32/none", "float32/int8", "float32/int4"]
+    # (float32 activations over quantized weights get a float16 cache under auto; the last
+    # configuration shows what that costs)
+    default = ["float32/none", "float32/int8", "float32/int4", "float32/int4/float32"]
     if cpu_runs_bf16():
         default[1:1] = ["bfloat16/none", "bfloat16/int4"]
-    parser.add_argument("--configs", nargs="+", default=default, metavar="DTYPE/QUANTIZATION")
+    parser.add_argument(
+        "--configs", nargs="+", default=default, metavar="DTYPE/QUANTIZATION[/KV_CACHE_DTYPE]"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
 
@@ -108,9 +113,16 @@ def main() -> int:
     reference: list[list[int]] | None = None
     base_ppl = None
     for spec in args.configs:
-        dtype, quantization = spec.split("/")
+        dtype, quantization, *cache = spec.split("/")
         start = time.perf_counter()
-        llm = LLM(args.model, dtype=dtype, quantization=quantization, num_kv_blocks=256)
+        llm = LLM(
+            args.model,
+            dtype=dtype,
+            quantization=quantization,
+            kv_cache_dtype=cache[0] if cache else "auto",
+            num_kv_blocks=256,
+        )
+        label = f"{dtype}/{quantization}, {llm.engine.config.kv_cache_dtype} cache"
         token_ids = llm.tokenizer.encode(text)
         ppl = perplexity(llm, token_ids)
         tokens = continuations(llm, args.max_tokens)
@@ -119,14 +131,14 @@ def main() -> int:
             reference, base_ppl = tokens, ppl
         same, prefix = agreement(tokens, reference)
         rows.append(
-            (spec, f"{ppl:.3f}", f"{(ppl / base_ppl - 1) * 100:+.2f}%", f"{same:.1%}",
+            (label, f"{ppl:.3f}", f"{(ppl / base_ppl - 1) * 100:+.2f}%", f"{same:.1%}",
              f"{prefix:.1f} / {args.max_tokens}", f"{time.perf_counter() - start:.0f} s")
         )  # fmt: skip
         print(f"{spec}: done", file=sys.stderr)
     print(f"model: {args.model}; text: {len(token_ids)} tokens; {len(PROMPTS)} prompts x "
           f"{args.max_tokens} greedy tokens, compared with {args.configs[0]}")  # fmt: skip
     header = (
-        "dtype/quantization",
+        "dtype/quantization, KV cache",
         "perplexity",
         "vs first",
         "same tokens",

@@ -233,7 +233,8 @@ def _run_server(args: argparse.Namespace, port: int, log_path: str, workload: An
     command = [
         sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())",
         "serve", args.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
-        "--quantization", args.quantization, "--log-level", "info",
+        "--kv-cache-dtype", args.kv_cache_dtype, "--quantization", args.quantization,
+        "--log-level", "info",
     ]  # fmt: skip
     if args.scheduler_steps is not None:
         command += ["--num-scheduler-steps", str(args.scheduler_steps)]
@@ -282,6 +283,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's (auto)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     parser.add_argument("--decode-steps", type=int, default=48)
     parser.add_argument("--prefill-prompts", type=int, default=64)
@@ -304,6 +306,7 @@ def main() -> int:
         EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             compile=True,
             kv_cache_memory="2GiB",
             quantization=args.quantization,
@@ -322,7 +325,8 @@ def main() -> int:
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; torch {torch.__version__}")
     print(
         f"model: {engine.model_name} ({config.num_layers} layers, hidden {config.hidden_size}), "
-        f"{engine.config.dtype}, quantization {engine.config.quantization.method}, "
+        f"{engine.config.dtype} ({engine.config.kv_cache_dtype} KV cache), "
+        f"quantization {engine.config.quantization.method}, "
         f"{engine.num_scheduler_steps} decode step(s) per pass; "
         f"ready in {ready:.1f} s, graphs compiled after {compiled:.1f} s "
         f"({engine.runner.graphs.mode})"

@@ -21,7 +21,12 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_MODEL, DEFAULT_SCHEDULER_STEPS, EngineConfig
-from engine.device import resolve_attention_backend, resolve_device, resolve_dtype
+from engine.device import (
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from engine.executor import ExecutorFailedError, start_executor
 from engine.model_config import ModelConfig
 from engine.model_resolver import resolve_model
@@ -75,6 +80,9 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         backend = resolve_attention_backend(config.attention_backend, device)
         quantization = resolve_quantization(config.quantization, device)
+        kv_cache_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, dtype, device, backend, bool(quantization.bits)
+        )
         if in_memory is None:
             model_dir: Path | None = resolve_model(config.model)
             model_config = ModelConfig.from_dir(model_dir)
@@ -109,6 +117,7 @@ class LLMEngine:
             update={
                 "model": model_name if model_dir is None else str(model_dir),
                 "dtype": str(dtype).removeprefix("torch."),
+                "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
                 "device": device.type,
                 "attention_backend": backend,
                 "max_model_len": max_model_len,
@@ -135,6 +144,7 @@ class LLMEngine:
             model_dir=model_dir,
             model_config=model_config,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             device=device,
             attention_backend=backend,
             block_size=config.block_size,

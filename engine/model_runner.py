@@ -65,6 +65,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         attention_backend: str,
+        kv_cache_dtype: torch.dtype | None = None,
         block_size: int,
         max_model_len: int,
         kv_cache_memory: int | float,
@@ -82,10 +83,12 @@ class ModelRunner:
         """The weights come from ``model_dir``'s files or, for a model already in this process
         (``engine.inference``), from ``state_dict`` (tensors by Hugging Face name; ``model_dir``
         is then None). ``quantization``: resolved (none, int8 or int4; see
-        ``resolve_quantization``); ``deterministic``: a request's logits do not depend on the
-        batch (see README); ``compile``: compiled step graphs on a CPU, CUDA graphs of decode
-        steps of up to ``max_decode_rows`` rows on a GPU; ``max_step_tokens``: the most tokens a
-        step holds (deterministic mode measures its products' rows up to it)."""
+        ``resolve_quantization``); ``kv_cache_dtype``: the cache's (None: ``dtype``; another
+        needs the torch backend, see ``resolve_kv_cache_dtype``); ``deterministic``: a
+        request's logits do not depend on the batch (see README); ``compile``: compiled step
+        graphs on a CPU, CUDA graphs of decode steps of up to ``max_decode_rows`` rows on a GPU;
+        ``max_step_tokens``: the most tokens a step holds (deterministic mode measures its
+        products' rows up to it)."""
         # this call's arguments, from which another process builds the same runner's graphs
         arguments = {name: value for name, value in locals().items() if name != "self"}
         if (model_dir is None) == (state_dict is None):
@@ -125,8 +128,9 @@ class ModelRunner:
         num_kv_heads = shard_heads(
             model_config.num_heads, model_config.num_kv_heads, parallel.rank, parallel.world_size
         ).num_kv_heads
+        kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         block_bytes = bytes_per_block(
-            model_config.num_layers, block_size, num_kv_heads, model_config.head_dim, dtype
+            model_config.num_layers, block_size, num_kv_heads, model_config.head_dim, kv_cache_dtype
         )
         if num_kv_blocks is None:
             num_kv_blocks = num_blocks_for_budget(
@@ -142,14 +146,15 @@ class ModelRunner:
             block_size,
             num_kv_heads,
             model_config.head_dim,
-            dtype,
+            kv_cache_dtype,
             device,
         )  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], memory committed
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, committed in %.1f s)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB, committed in %.1f s)",
             num_kv_blocks,
             block_size,
             num_kv_blocks * block_size,
+            str(kv_cache_dtype).removeprefix("torch."),
             num_kv_blocks * block_bytes / 2**20,
             time.perf_counter() - start,
         )

@@ -153,8 +153,11 @@ def check_attention_inputs(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     out: torch.Tensor | None = None,
+    converts: bool = False,
 ) -> None:
-    """A layer's query and caches (``[num_blocks, block_size, num_kv_heads, head_dim]`` each)."""
+    """A layer's query and caches (``[num_blocks, block_size, num_kv_heads, head_dim]`` each),
+    in one dtype (``converts``: the query in any floating dtype, for a backend that reads the
+    caches in the query's)."""
     _check_cache_pair(key_cache, value_cache)
     head_dim, num_kv_heads = key_cache.shape[3], key_cache.shape[2]
     _require(
@@ -165,7 +168,10 @@ def check_attention_inputs(
         query.shape[1] % num_kv_heads == 0,
         f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}",
     )
-    _require(query.dtype == key_cache.dtype, f"query is {query.dtype}, cache {key_cache.dtype}")
+    _require(
+        query.dtype == key_cache.dtype or (converts and query.is_floating_point()),
+        f"query is {query.dtype}, cache {key_cache.dtype}",
+    )
     _check_device("query", query, key_cache.device)
     _require(query.stride(-1) == 1, "query must have a unit stride in head_dim")
     if out is not None:
@@ -178,9 +184,14 @@ def check_attention_inputs(
 
 
 def check_kv_inputs(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    converts: bool = False,
 ) -> None:
-    """A layer's new K/V ``[num_tokens, num_kv_heads, head_dim]`` against its caches."""
+    """A layer's new K/V ``[num_tokens, num_kv_heads, head_dim]`` against its caches, in the
+    caches' dtype (``converts``: any floating dtype, for a backend that converts them)."""
     _check_cache_pair(key_cache, value_cache)
     for name, tensor in (("key", key), ("value", value)):
         _require(
@@ -189,7 +200,7 @@ def check_kv_inputs(
             f"got {tuple(tensor.shape)}",
         )
         _require(
-            tensor.dtype == key_cache.dtype,
+            tensor.dtype == key_cache.dtype or (converts and tensor.is_floating_point()),
             f"{name} is {tensor.dtype}, the cache is {key_cache.dtype}",
         )
         _check_device(name, tensor, key_cache.device)

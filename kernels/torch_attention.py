@@ -446,8 +446,8 @@ def _decode_attention(
     num_rows, padded_len = group.num_rows, group.padded_len
     num_heads, head_dim = query.shape[1], query.shape[2]
     shape = (num_rows, -1, padded_len, head_dim)  # [num_rows, num_kv_heads, padded_len, head_dim]
-    keys = key_rows.index_select(0, group.kv_rows).view(shape)
-    values = value_rows.index_select(0, group.kv_rows).view(shape)
+    keys = key_rows.index_select(0, group.kv_rows).view(shape).to(query.dtype)
+    values = value_rows.index_select(0, group.kv_rows).view(shape).to(query.dtype)
     # [num_rows, num_kv_heads, heads per KV head, head_dim]
     queries = query.view(num_rows, keys.shape[1], -1, head_dim)
     if deterministic:
@@ -472,8 +472,8 @@ def _gather_prompt_group(
     num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
     queries = query[group.query_rows].view(num_rows, group.padded_q, num_heads, head_dim)
     shape = (num_rows, -1, group.padded_len, head_dim)
-    keys = key_rows.index_select(0, group.kv_rows).view(shape)
-    values = value_rows.index_select(0, group.kv_rows).view(shape)
+    keys = key_rows.index_select(0, group.kv_rows).view(shape).to(query.dtype)
+    values = value_rows.index_select(0, group.kv_rows).view(shape).to(query.dtype)
     return queries.transpose(1, 2), keys, values
 
 

@@ -193,9 +193,10 @@ class TorchBackend:
         value_cache: torch.Tensor,
         plan: TorchStepPlan,
     ) -> None:
-        """Writes each token's K/V into its cache slot (tokens whose slot is -1 are skipped).
-        Checked: bad tensors raise KernelInputError and write nothing."""
-        check_kv_inputs(key, value, key_cache, value_cache)
+        """Writes each token's K/V into its cache slot (tokens whose slot is -1 are skipped),
+        rounded to the cache's dtype. Checked: bad tensors raise KernelInputError and write
+        nothing."""
+        check_kv_inputs(key, value, key_cache, value_cache, converts=True)
         _store_kv(key, value, key_cache, value_cache, plan)
 
     def paged_attention(
@@ -207,9 +208,10 @@ class TorchBackend:
         scale: float,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention of the step's rows over the cache (``kernels/torch_attention.py``).
-        Checked: bad tensors raise KernelInputError and write nothing."""
-        check_attention_inputs(query, key_cache, value_cache, out)
+        """Causal attention of the step's rows over the cache (``kernels/torch_attention.py``),
+        in the query's dtype whatever the cache's. Checked: bad tensors raise KernelInputError
+        and write nothing."""
+        check_attention_inputs(query, key_cache, value_cache, out, converts=True)
         return paged_attention(query, key_cache, value_cache, plan.attention, scale, out)
 
     def attend(
@@ -289,6 +291,10 @@ def _store_kv(
         raise KernelInputError(f"key/value {tuple(key.shape)} do not match the step's plan")
     if plan.store_tokens is not None:
         key, value = key[plan.store_tokens], value[plan.store_tokens]
+    key, value = (
+        key.to(key_cache.dtype),
+        value.to(value_cache.dtype),
+    )  # rounded to a cache of another dtype
     slot_shape = (-1, *key_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim] views
     key_cache.view(slot_shape).index_copy_(0, plan.store_slots, key)
     value_cache.view(slot_shape).index_copy_(0, plan.store_slots, value)
@@ -304,12 +310,9 @@ def _attend(
 ) -> torch.Tensor:
     """The model's own tensors, unchecked per layer (``plan`` checked the step)."""
     step = plan.operator_step
-    if (
-        step is not None
-        and plan.fused
-        and _heads_contiguous(query, key, value)
-        and key.dtype == step.kv_cache.dtype
-    ):
+    cache_dtype = plan.kv_cache.dtype
+    key, value = key.to(cache_dtype), value.to(cache_dtype)  # rounded to a cache of another dtype
+    if step is not None and plan.fused and _heads_contiguous(query, key, value):
         return _store_and_attend_step(query, key, value, step, layer, scale)
     key_cache, value_cache = plan.kv_cache[layer]
     _store_kv(key, value, key_cache, value_cache, plan)

@@ -75,11 +75,12 @@ def _load_with_progress(factory: EngineFactory, config: EngineConfig) -> Any:
     from engine.step_graphs import resident_mib
 
     logger.info(
-        "engine ready in %.1f s: model=%s dtype=%s quantization=%s num_kv_blocks=%s "
-        "max_model_len=%s rss_mib=%.0f config=%s",
+        "engine ready in %.1f s: model=%s dtype=%s kv_cache_dtype=%s quantization=%s "
+        "num_kv_blocks=%s max_model_len=%s rss_mib=%.0f config=%s",
         time.monotonic() - start,
         getattr(engine, "model_name", config.model),
         getattr(resolved, "dtype", "?"),
+        getattr(resolved, "kv_cache_dtype", "?"),
         getattr(getattr(resolved, "quantization", None), "method", "?"),
         getattr(engine, "num_kv_blocks", "?"),
         getattr(engine, "max_model_len", "?"),

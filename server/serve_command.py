@@ -25,6 +25,7 @@ _FLAG_FIELDS = (
     "model",
     "tokenizer",
     "dtype",
+    "kv_cache_dtype",
     "device",
     "max_batch_tokens",
     "max_batch_seqs",
@@ -104,6 +105,12 @@ def register(subparsers: Any) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
     engine.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the KV cache's dtype (auto: the model's, float16 for quantized weights with "
+        "float32 activations on a CPU)",
+    )
     engine.add_argument("--device", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--max-batch-tokens", type=int, help="token budget per step (512)")
     engine.add_argument("--max-batch-seqs", type=int, help="rows per step (128)")

@@ -20,7 +20,9 @@
 //   summed = x + residual; residual = summed         (x alone in the first layer)
 //   normed = round(round(rms_norm(summed)) * w_in)
 //   qkv    = round(product(normed))                     -> rotary on q and k (float32, rounded)
-//   K/V stored into slots[t] of the layer's cache; attention of each token over its context
+//   K/V stored into slots[t] of the layer's cache (float32, bfloat16 or float16, whatever
+//          the activations' dtype: rounded to nearest even where it is narrower, as the
+//          model's store rounds); attention of each token over its context
 //          (the fixed-order kernel of fixed_order_attention.cpp: the same bits as the
 //          operator store_and_attend_step gives a decode token)
 //   x      = round(product(attention))
@@ -544,6 +546,10 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
     const int64_t layer_elems = num_blocks * block_size * kv_size;  // one layer's K (or V)
     const bool bf16 = dtype == at::kBFloat16;
+    // the cache's kind as the fixed-order kernel numbers it: 0 float32, 1 bfloat16, 2 float16
+    const int cache_kind = kv_cache.scalar_type() == at::kFloat      ? 0
+                           : kv_cache.scalar_type() == at::kBFloat16 ? 1
+                                                                     : 2;
     const auto to_act = [bf16](float v) { return bf16 ? round_bf16(v) : v; };
 
     // shared between the threads, floats holding values of the activations' dtype
@@ -734,7 +740,7 @@ struct DecodeStack : torch::CustomClassHolder {
             query.data(), keys,          values,       tables,     rows.data(),
             lens,         attended.data(), T,          q_size,     table_stride,
             kv_size,      block_size,    num_heads,    num_kv_heads, D,
-            kv_per_item,  scale,         bf16 ? 1 : 0};
+            kv_per_item,  scale,         cache_kind};  // float32 queries
         Claims& items = claims[l * kPhases + kAttention];
         const int64_t qkv_blocks = layer.qkv.blocks();
         if (T > kTouchTokens) {
@@ -781,11 +787,17 @@ struct DecodeStack : torch::CustomClassHolder {
             rotate_head(row + q_size + kv * D, cos, sin, key, half, bf16);
             const float* value = row + q_size + kv_size + kv * D;
             const int64_t at = (slot[t] * num_kv_heads + kv) * D;
-            if (bf16) {
+            if (cache_kind == 1) {
               auto* k_out = reinterpret_cast<uint16_t*>(keys) + at;
               auto* v_out = reinterpret_cast<uint16_t*>(values) + at;
-              for (int64_t i = 0; i < D; ++i) k_out[i] = bf16_bits(key[i]);
-              for (int64_t i = 0; i < D; ++i) v_out[i] = bf16_bits(value[i]);
+              // (rounded already where the activations are bfloat16)
+              for (int64_t i = 0; i < D; ++i) k_out[i] = bf16_bits(round_bf16(key[i]));
+              for (int64_t i = 0; i < D; ++i) v_out[i] = bf16_bits(round_bf16(value[i]));
+            } else if (cache_kind == 2) {  // to nearest even, as torch's conversion
+              auto* k_out = reinterpret_cast<c10::Half*>(keys) + at;
+              auto* v_out = reinterpret_cast<c10::Half*>(values) + at;
+              for (int64_t i = 0; i < D; ++i) k_out[i] = c10::Half(key[i]);
+              for (int64_t i = 0; i < D; ++i) v_out[i] = c10::Half(value[i]);
             } else {
               std::memcpy(reinterpret_cast<float*>(keys) + at, key, sizeof(float) * D);
               std::memcpy(reinterpret_cast<float*>(values) + at, value, sizeof(float) * D);
@@ -872,9 +884,13 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() &&
                     kv_cache.size(0) == num_layers() && kv_cache.size(1) == 2 &&
                     kv_cache.size(4) == num_kv_heads && kv_cache.size(5) == head_dim &&
-                    kv_cache.scalar_type() == dtype && kv_cache.device().is_cpu(),
+                    (kv_cache.scalar_type() == at::kFloat ||
+                     kv_cache.scalar_type() == at::kBFloat16 ||
+                     kv_cache.scalar_type() == at::kHalf) &&
+                    kv_cache.device().is_cpu(),
                 kName, ": kv_cache must be a contiguous [", num_layers(), ", 2, num_blocks, "
-                "block_size, ", num_kv_heads, ", ", head_dim, "] tensor in ", dtype);
+                "block_size, ", num_kv_heads, ", ", head_dim, "] float32, bfloat16 or float16 "
+                "tensor");
     const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.is_contiguous() &&
                     positions.scalar_type() == at::kLong && positions.device().is_cpu(),

@@ -79,26 +79,39 @@ namespace splitfuse_attention_avx512 {
 static inline v16 fma16(v16 a, v16 b, v16 c) {
   return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 }
+// 32 float16 values as 16 words: the even dims (low halves) and the odd ones (high halves)
+// narrowed to 16 halves each and widened to float32 (VCVTPH2PS: exact, subnormals included)
+static inline void split_pairs(const Fp16* in, v16& even, v16& odd) {
+  const __m512i words = _mm512_loadu_si512(in);
+  even = (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+  odd = (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+}
+#define SF_F16C 1
 #include "fixed_order_attention_body.h"
+#undef SF_F16C
 }  // namespace splitfuse_attention_avx512
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace splitfuse_attention_avx2 {
 #define SF_ATTENTION_AVX2 1
+#define SF_F16C 1
 #include "fixed_order_attention_avx2.h"
 #include "fixed_order_attention_body.h"
+#undef SF_F16C
 #undef SF_ATTENTION_AVX2
 }  // namespace splitfuse_attention_avx2
 #pragma GCC pop_options
 
 namespace splitfuse_attention_base {
+#define SF_F16C 0
 static inline v16 fma16(v16 a, v16 b, v16 c) {
   for (int l = 0; l < kLanes; ++l) c[l] = std::fma(a[l], b[l], c[l]);
   return c;
 }
 #include "fixed_order_attention_body.h"
+#undef SF_F16C
 }  // namespace splitfuse_attention_base
 
 namespace {
@@ -115,7 +128,8 @@ RunFn pick_run_fn() {
   if (limit != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     return splitfuse_attention_avx512::fixed_order_run;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
     return splitfuse_attention_avx2::fixed_order_run;
   return splitfuse_attention_base::fixed_order_run;
 }

@@ -138,6 +138,21 @@ static inline void store_pairs(Bf16* out, v16 even, v16 odd) {
   }
 }
 
+// 32 float16 values as 16 words: per 8 words, the low halves (even dims) and the high ones
+// (odd dims) packed to 8 halves each (PACKUSDW: no value saturates; then the 64-bit quarters in
+// order) and widened to float32 (VCVTPH2PS: exact, subnormals included)
+static inline void split_pairs(const Fp16* in, v16& even, v16& odd) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in) + h);
+    const __m256i low = _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
+    const __m256i high = _mm256_srli_epi32(words, 16);
+    const __m256i halves =
+        _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), _MM_SHUFFLE(3, 1, 2, 0));
+    even.h[h] = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    odd.h[h] = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+  }
+}
+
 // 32 floats: the even dims into even, the odd ones into odd ([0 2 8 10 | 4 6 12 14] of 16
 // values, then its 64-bit pairs in order)
 static inline void split_pairs(const float* in, v16& even, v16& odd) {

@@ -167,11 +167,13 @@ static inline void store_scores(float* w, v16 scores, int64_t n) {
     __builtin_memcpy(w, &scores, n * sizeof(float));
 }
 
+#if !SF_F16C  // (F16C builds convert float16 in registers: before this file's inclusion)
 static inline void split_pairs(const Fp16* in, v16& even, v16& odd) {
   float widened[32];
   for (int d = 0; d < 32; ++d) widened[d] = to_float(in[d]);
   split_pairs(widened, even, odd);
 }
+#endif
 
 template <typename CacheT>
 static inline void load_row(const CacheT* in, int64_t n, float* out) {
@@ -576,7 +578,7 @@ static void buffer_items(const FixedOrderArgs& a, int64_t begin, int64_t end, in
 template <typename QueryT, typename CacheT>
 static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t end,
                               int64_t next) {
-  if (a.head_dim == 64 && !std::is_same<CacheT, Fp16>::value)
+  if (a.head_dim == 64 && (SF_F16C || !std::is_same<CacheT, Fp16>::value))
     register_items<QueryT, CacheT>(a, begin, end, next);
   else
     buffer_items<QueryT, CacheT>(a, begin, end, next);

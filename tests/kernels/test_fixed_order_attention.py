@@ -141,8 +141,9 @@ def test_a_bfloat16_result_is_the_float32_one_rounded(head_dim):
 @pytest.mark.parametrize("head_dim", [64, 40])
 def test_the_caches_values_not_their_dtype_decide_the_bits(head_dim):
     """Caches of float32, bfloat16 and float16 holding the same numbers give the same bits. With
-    64-dim heads float32 and bfloat16 caches take the path that reads rows into registers and
-    float16 caches the one that widens them into a buffer, so the two paths agree as well."""
+    64-dim heads every cache takes the path that reads rows into registers (float16 ones
+    converted by F16C; the plain build, without it, widens them into a buffer: the test across
+    instruction sets below compares the two), with 40-dim heads the buffered one."""
     query, keys, values, tables, rows, lens = _case(
         [1, 3, 1, 20], [70, 20, 33, 40], 9, 3, head_dim, 16, torch.bfloat16, torch.bfloat16, 8
     )
@@ -154,6 +155,25 @@ def test_the_caches_values_not_their_dtype_decide_the_bits(head_dim):
     for dtype in (torch.float32, torch.float16):
         got = _attend(query, keys.to(dtype), values.to(dtype), tables, rows, lens, 0.125)
         assert torch.equal(got, want), dtype
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_float16_caches_widen_exactly(head_dim):
+    """float16's extremes (subnormals, the largest finite value, signed zeros) in a float16
+    cache give the bits of the same numbers in a float32 one."""
+    query, keys, values, tables, rows, lens = _case(
+        [1, 1, 4], [40, 70, 33], 9, 3, head_dim, 16, torch.float32, torch.float16, 12
+    )
+    generator = torch.Generator().manual_seed(13)
+    extremes = torch.tensor([2**-24, -(2**-24), 3 * 2**-20, 2**-14 - 2**-24, 0.0, -0.0, 1.0])
+    for t in (keys, values):
+        picks = torch.randint(len(extremes), t.shape, generator=generator)
+        use = torch.rand(t.shape, generator=generator) < 0.3
+        t.copy_(torch.where(use, extremes[picks].half(), t))
+    keys[0, 0, 0, 0], values[1, 2, 1, 3] = 65504.0, -65504.0
+    want = _attend(query, keys.float(), values.float(), tables, rows, lens, 0.125)
+    got = _attend(query, keys, values, tables, rows, lens, 0.125)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("head_dim", [64, 40])

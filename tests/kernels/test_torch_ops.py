@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_reference import (
@@ -21,6 +23,7 @@ from kernels import (
     get_backend,
     torch_attention,
 )
+from kernels.checks import check_attention_inputs, check_kv_inputs
 from kernels.torch_attention import length_groups
 from kernels.torch_backend import TorchBackend
 
@@ -206,14 +209,20 @@ def test_paged_attention_and_store_kv_reject_bad_tensors_without_writing():
     with pytest.raises(KernelInputError, match="out must be"):
         run_attention(backend, batch, out=out)
     assert not out.any()
-    with pytest.raises(KernelInputError, match="query is torch.float16"):
-        run_attention(backend, batch, query=batch.query.half())
+    with pytest.raises(KernelInputError, match="query is torch.int32"):
+        run_attention(backend, batch, query=batch.query.int())
     with pytest.raises(KernelInputError, match="not a multiple of num_kv_heads"):
         run_attention(backend, batch, query=batch.query[:, :3])
     plan, kv_cache = _store_step([3, 1], num_kv_heads=2, dtype=torch.float32, seed=3)
+    with pytest.raises(KernelInputError, match="key is torch.int32"):
+        key = torch.ones(2, 2, 64, dtype=torch.int32)
+        backend.store_kv(key, key, kv_cache[0, 0], kv_cache[0, 1], plan)
+    # (the Triton backend's checks: one dtype for the query, the K/V and the caches)
+    with pytest.raises(KernelInputError, match="query is torch.float16"):
+        check_attention_inputs(batch.query.half(), batch.key_cache, batch.value_cache)
     with pytest.raises(KernelInputError, match="key is torch.float16"):
         key = torch.randn(2, 2, 64, dtype=torch.float16)
-        backend.store_kv(key, key, kv_cache[0, 0], kv_cache[0, 1], plan)
+        check_kv_inputs(key, key, kv_cache[0, 0], kv_cache[0, 1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -226,6 +235,54 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
     plan, kv_cache = _store_step(slot_mapping, num_kv_heads, dtype, seed=2)
     expected_k, expected_v = kv_cache[0, 0].clone(), kv_cache[0, 1].clone()
     reference_store_kv(key, value, expected_k, expected_v, torch.tensor(slot_mapping))
+    backend.store_kv(key, value, kv_cache[0, 0], kv_cache[0, 1], plan)
+    assert torch.equal(kv_cache[0, 0], expected_k)
+    assert torch.equal(kv_cache[0, 1], expected_v)
+
+
+# (query dtype, cache dtype): the KV cache in a dtype of its own (EngineConfig.kv_cache_dtype)
+MIXED_DTYPES = [
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.bfloat16, torch.float32),
+]
+
+
+@BOTH
+@pytest.mark.parametrize(("query_dtype", "cache_dtype"), MIXED_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["mixed", "varied_decodes", "query_chunks"])
+def test_paged_attention_reads_a_cache_of_another_dtype(name, query_dtype, cache_dtype, attention):
+    """Queries over a cache of another dtype: the attention of the cache's values (exact in the
+    query's dtype, or rounded to it), in the query's dtype, within its tolerance."""
+    batch = make_ragged_batch(
+        BATCHES[name], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+        dtype=cache_dtype, seed=11,
+    )  # fmt: skip
+    query = batch.query.to(query_dtype)
+    out = run_attention(attention, batch, query=query)
+    assert out.dtype == query_dtype
+    converted = dataclasses.replace(
+        batch,
+        query=query,
+        key_cache=batch.key_cache.to(query_dtype),
+        value_cache=batch.value_cache.to(query_dtype),
+    )
+    expected = reference_attention(converted)
+    torch.testing.assert_close(out.double(), expected, atol=ATTENTION_ATOL[query_dtype], rtol=0)
+
+
+@pytest.mark.parametrize(("key_dtype", "cache_dtype"), MIXED_DTYPES, ids=str)
+def test_store_kv_rounds_to_a_cache_of_another_dtype(key_dtype, cache_dtype):
+    generator = torch.Generator().manual_seed(4)
+    key = torch.randn(5, 2, 64, generator=generator).to(key_dtype)
+    value = torch.randn(5, 2, 64, generator=generator).to(key_dtype)
+    slot_mapping = [3, -1, 17, 0, 9]
+    plan, kv_cache = _store_step(slot_mapping, num_kv_heads=2, dtype=cache_dtype, seed=6)
+    expected_k, expected_v = kv_cache[0, 0].clone(), kv_cache[0, 1].clone()
+    reference_store_kv(
+        key.to(cache_dtype), value.to(cache_dtype), expected_k, expected_v,
+        torch.tensor(slot_mapping),
+    )  # fmt: skip
     backend.store_kv(key, value, kv_cache[0, 0], kv_cache[0, 1], plan)
     assert torch.equal(kv_cache[0, 0], expected_k)
     assert torch.equal(kv_cache[0, 1], expected_v)

@@ -22,6 +22,7 @@ from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.weights import WeightsError, safetensors_files
+from scheduler.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -169,6 +170,62 @@ def test_auto_dtype_is_bfloat16_where_the_cpu_runs_it(monkeypatch) -> None:
     assert device_module.resolve_dtype("auto", cpu) == torch.float32
     assert device_module.resolve_dtype("float16", cpu) == torch.float16
     assert device_module.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_kv_cache_dtype_auto_is_float16_for_float32_activations_over_quantized_weights():
+    resolve = device_module.resolve_kv_cache_dtype
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve("auto", torch.float32, cpu, "torch", quantized=True) == torch.float16
+    assert resolve("auto", torch.float32, cpu, "torch", quantized=False) == torch.float32
+    assert resolve("auto", torch.bfloat16, cpu, "torch", quantized=True) == torch.bfloat16
+    assert resolve("auto", torch.float16, cpu, "torch", quantized=True) == torch.float16
+    assert resolve("auto", torch.float32, cuda, "triton", quantized=True) == torch.float32
+    assert resolve("float32", torch.float32, cpu, "torch", quantized=True) == torch.float32
+    assert resolve("float16", torch.float32, cpu, "torch", quantized=False) == torch.float16
+    assert resolve("bfloat16", torch.bfloat16, cuda, "triton", quantized=False) == torch.bfloat16
+    with pytest.raises(ValueError, match="kv_cache_dtype float32 with bfloat16 .* torch attention"):
+        resolve("float32", torch.bfloat16, cuda, "triton", quantized=False)
+
+
+def test_the_engine_allocates_its_cache_in_the_kv_cache_dtype(tiny_llama_dir, caplog) -> None:
+    """A cache of its own dtype is sized by its own element size, named in the start-up log
+    and the resolved config, and serves: greedy tokens of a prompt in two chunks and decodes
+    agree with a float32 cache's (the tiny model's logits spread far wider than bfloat16 K/V
+    move them)."""
+    caplog.set_level(logging.INFO, logger="engine.model_runner")
+    tokens = {}
+    for cache_dtype in ("float32", "bfloat16", "float16"):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama_dir), dtype="float32", kv_cache_dtype=cache_dtype,
+                kv_cache_memory="1MiB", max_batch_tokens=8,
+            )
+        )  # fmt: skip
+        assert engine.config.kv_cache_dtype == cache_dtype
+        assert engine.runner.kv_cache.dtype == getattr(torch, cache_dtype)
+        # 2 layers x 2 x 16 tokens x 2 KV heads x 16 x element size per block
+        element_size = 4 if cache_dtype == "float32" else 2
+        assert engine.num_kv_blocks == 2**20 // (2 * 2 * 16 * 2 * 16 * element_size)
+        assert f"tokens, {cache_dtype}," in caplog.text
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        engine.add_request("r", list(range(3, 16)), params)  # 13 tokens: chunks of 8 and 5
+        out: list[int] = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                out.extend(output.new_token_ids)
+        tokens[cache_dtype] = out
+    assert tokens["bfloat16"] == tokens["float16"] == tokens["float32"]
+
+
+def test_the_kv_cache_dtype_follows_the_weights_under_auto(tiny_llama_dir) -> None:
+    quantized = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=8,
+                     quantization="int8")
+    )  # fmt: skip
+    assert quantized.config.kv_cache_dtype == "float16"
+    assert quantized.runner.kv_cache.dtype == torch.float16
+    plain = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=8))
+    assert plain.config.kv_cache_dtype == "float32"
 
 
 def test_bfloat16_hardware_needs_the_cpu_flags(monkeypatch) -> None:
