@@ -90,10 +90,11 @@ def test_cli_flags_map_to_fields() -> None:
     flags = _parse(
         ["/m", "--host", "0.0.0.0", "--tp", "1", "--api-key", "a", "--api-key", "b",
          "--max-body-bytes", "1MiB", "--drain-timeout", "2.5", "--no-prefix-caching",
-         "--metrics-require-auth", "--max-batch-tokens", "64"]
+         "--metrics-require-auth", "--max-batch-tokens", "64", "--kv-cache-dtype", "float16"]
     )  # fmt: skip
     config = load_config(flags=flags, environ={})
     assert config.engine.model == "/m"
+    assert config.engine.kv_cache_dtype == "float16"
     assert config.api_key == ("a", "b")
     assert config.max_body_bytes == 1024 * 1024
     assert config.drain_timeout == 2.5
@@ -120,6 +121,7 @@ def test_unknown_keys_are_named(tmp_path: Path) -> None:
         ({"port": 70000}, "port"),
         ({"max_batch_tokens": 0}, "engine.max_batch_tokens"),
         ({"dtype": "int3"}, "engine.dtype"),
+        ({"kv_cache_dtype": "int8"}, "engine.kv_cache_dtype"),
         ({"kv_cache_memory": "lots"}, "engine.kv_cache_memory"),
         ({"max_body_bytes": "big"}, "max_body_bytes"),
         ({"log_level": "loud"}, "log_level"),
