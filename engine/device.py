@@ -80,9 +80,10 @@ def resolve_kv_cache_dtype(
     name: str, dtype: torch.dtype, device: torch.device, attention_backend: str, quantized: bool
 ) -> torch.dtype:
     """The KV cache's dtype. ``auto`` -> the activations' ``dtype``, but float16 on a CPU where
-    they are float32 and the weights quantized (a CPU without bfloat16 hardware): there decode
-    steps read the contexts from memory as much as the weights (32 int4 streams at context 256
-    read more cache than weight bytes a step), and a 16-bit cache halves that read. float16
+    they are float32 and the weights quantized (a CPU without bfloat16 hardware) under the
+    torch backend: there decode steps read the contexts from memory as much as the weights (32
+    int4 streams at context 256 read more cache than weight bytes a step), and a 16-bit cache
+    halves that read. float16
     rather than bfloat16: on the default model with int4 weights its perplexity is float32's
     (-0.28% against -0.21% from float32's model; bfloat16 +0.70%) at the same speed (README,
     "Quantization"); a model whose K/V exceed float16's range (65504) needs kv_cache_dtype
@@ -91,7 +92,12 @@ def resolve_kv_cache_dtype(
     convert between the two; the Triton kernels read the cache in the query's dtype):
     ValueError otherwise."""
     if name == "auto":
-        mixed = device.type == "cpu" and dtype == torch.float32 and quantized
+        mixed = (
+            device.type == "cpu"
+            and attention_backend == "torch"
+            and dtype == torch.float32
+            and quantized
+        )
         return torch.float16 if mixed else dtype
     kv_dtype = DTYPES[name]
     if kv_dtype != dtype and attention_backend != "torch":

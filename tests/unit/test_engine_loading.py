@@ -180,6 +180,7 @@ def test_kv_cache_dtype_auto_is_float16_for_float32_activations_over_quantized_w
     assert resolve("auto", torch.bfloat16, cpu, "torch", quantized=True) == torch.bfloat16
     assert resolve("auto", torch.float16, cpu, "torch", quantized=True) == torch.float16
     assert resolve("auto", torch.float32, cuda, "triton", quantized=True) == torch.float32
+    assert resolve("auto", torch.float32, cpu, "triton", quantized=True) == torch.float32
     assert resolve("float32", torch.float32, cpu, "torch", quantized=True) == torch.float32
     assert resolve("float16", torch.float32, cpu, "torch", quantized=False) == torch.float16
     assert resolve("bfloat16", torch.bfloat16, cuda, "triton", quantized=False) == torch.bfloat16
