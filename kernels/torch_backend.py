@@ -291,10 +291,8 @@ def _store_kv(
         raise KernelInputError(f"key/value {tuple(key.shape)} do not match the step's plan")
     if plan.store_tokens is not None:
         key, value = key[plan.store_tokens], value[plan.store_tokens]
-    key, value = (
-        key.to(key_cache.dtype),
-        value.to(value_cache.dtype),
-    )  # rounded to a cache of another dtype
+    # rounded to a cache of another dtype
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     slot_shape = (-1, *key_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim] views
     key_cache.view(slot_shape).index_copy_(0, plan.store_slots, key)
     value_cache.view(slot_shape).index_copy_(0, plan.store_slots, value)
@@ -310,8 +308,8 @@ def _attend(
 ) -> torch.Tensor:
     """The model's own tensors, unchecked per layer (``plan`` checked the step)."""
     step = plan.operator_step
-    cache_dtype = plan.kv_cache.dtype
-    key, value = key.to(cache_dtype), value.to(cache_dtype)  # rounded to a cache of another dtype
+    # rounded to a cache of another dtype (then contiguous heads: the fused call takes them)
+    key, value = key.to(plan.kv_cache.dtype), value.to(plan.kv_cache.dtype)
     if step is not None and plan.fused and _heads_contiguous(query, key, value):
         return _store_and_attend_step(query, key, value, step, layer, scale)
     key_cache, value_cache = plan.kv_cache[layer]

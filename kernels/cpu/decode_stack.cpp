@@ -547,9 +547,7 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t layer_elems = num_blocks * block_size * kv_size;  // one layer's K (or V)
     const bool bf16 = dtype == at::kBFloat16;
     // the cache's kind as the fixed-order kernel numbers it: 0 float32, 1 bfloat16, 2 float16
-    const int cache_kind = kv_cache.scalar_type() == at::kFloat      ? 0
-                           : kv_cache.scalar_type() == at::kBFloat16 ? 1
-                                                                     : 2;
+    const int cache_kind = splitfuse_fixed_order::dtype_kind(kv_cache.scalar_type());
     const auto to_act = [bf16](float v) { return bf16 ? round_bf16(v) : v; };
 
     // shared between the threads, floats holding values of the activations' dtype
@@ -884,9 +882,7 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() &&
                     kv_cache.size(0) == num_layers() && kv_cache.size(1) == 2 &&
                     kv_cache.size(4) == num_kv_heads && kv_cache.size(5) == head_dim &&
-                    (kv_cache.scalar_type() == at::kFloat ||
-                     kv_cache.scalar_type() == at::kBFloat16 ||
-                     kv_cache.scalar_type() == at::kHalf) &&
+                    splitfuse_fixed_order::dtype_kind(kv_cache.scalar_type()) >= 0 &&
                     kv_cache.device().is_cpu(),
                 kName, ": kv_cache must be a contiguous [", num_layers(), ", 2, num_blocks, "
                 "block_size, ", num_kv_heads, ", ", head_dim, "] float32, bfloat16 or float16 "

@@ -137,17 +137,10 @@ RunFn pick_run_fn() {
 const RunFn run_fn = pick_run_fn();
 
 int kind_of(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return 0;
-    case at::kBFloat16:
-      return 1;
-    case at::kHalf:
-      return 2;
-    default:
-      TORCH_CHECK(false, "fixed_order_attention: ", name,
-                  " must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
+  const int kind = splitfuse_fixed_order::dtype_kind(t.scalar_type());
+  TORCH_CHECK(kind >= 0, "fixed_order_attention: ", name,
+              " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  return kind;
 }
 
 void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
@@ -197,6 +190,19 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
 }  // namespace
 
 namespace splitfuse_fixed_order {
+
+int dtype_kind(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return 0;
+    case at::kBFloat16:
+      return 1;
+    case at::kHalf:
+      return 2;
+    default:
+      return -1;
+  }
+}
 
 // The attention itself, on checked inputs.
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,

@@ -28,6 +28,10 @@ struct FixedOrderArgs {
   int kinds;  // query kind * 3 + cache kind; kind: 0 float32, 1 bfloat16, 2 float16
 };
 
+// A dtype's kind as FixedOrderArgs::kinds numbers it: 0 float32, 1 bfloat16, 2 float16; -1 for
+// any other.
+int dtype_kind(at::ScalarType type);
+
 // Steps of at most kTouchTokens tokens read their contexts once ahead of the arithmetic
 // (touch_items); steps of at least kWholeTokenItems tokens a thread give each work item a
 // token's every KV head (kv_per_item = num_kv_heads), fewer one KV head.
