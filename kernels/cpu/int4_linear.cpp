@@ -60,8 +60,10 @@ namespace int4_avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace int4_avx2 {
+#include "int4_linear_avx2.h"
+#define SF_ROWS_TILE avx2_rows::rows_tile
 #define SF_LANES 8
-#define SF_ROW_TILE 2
+#define SF_ROW_TILE 8
 #define SF_COL_BLOCKS 1
 #define SF_ONE_ROW_BLOCKS 2
 #define SF_BYTE_DOT 0

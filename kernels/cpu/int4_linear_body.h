@@ -13,6 +13,9 @@
 //                   int16s (VPMADDWD)
 //   load_halves(p)  SF_LANES float16s as floats
 //   round_even(v)   v rounded to the nearest integer, ties to even (as the reference rounds)
+//   SF_ROWS_TILE    (optional) a function template <BITS, ROWS> with `tile`'s arguments but the
+//                   first, that multiplies tiles of 2 .. SF_ROW_TILE rows (one column block)
+//                   in the body's place (int4_linear_avx2.h)
 // The rest is GCC vector extensions, so one source becomes AVX-512 (with or without VNNI), AVX2
 // or SSE2 code. The SF_ parameters are undefined at the end.
 //
@@ -288,8 +291,10 @@ static void tile_rows(int blocks, const int8_t* xq, const float* xd, const float
 
 // Column blocks [block_begin, block_end) of out [M, N]: for each run of blocks (up to
 // SF_COL_BLOCKS, or SF_ONE_ROW_BLOCKS for one row), every tile of rows in turn, so the blocks'
-// bytes stay in the cache while the rows pass. `tile_out` holds SF_ROW_TILE * 64 floats: a tile's
-// result before the columns past N are cut off. out [M, N] float32. 8 bits: no mins.
+// bytes stay in the cache while the rows pass. `tile_out` holds 4 * 64 floats (int4_linear.h): a
+// tile's result before the columns past N are cut off. out [M, N] float32. 8 bits: no mins.
+static_assert(SF_ROW_TILE * SF_COL_BLOCKS * kCols <= 4 * 64 && SF_ONE_ROW_BLOCKS * kCols <= 4 * 64,
+              "a tile's result must fit tile_out");
 template <int BITS>
 static void columns(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K,
                     int64_t N, const uint8_t* packed, const uint16_t* scales,
@@ -312,10 +317,26 @@ static void columns(const int8_t* xq, const float* xd, const float* xs, int64_t 
       const int8_t* q = xq + r0 * K;
       const float* d = xd + r0 * runs;
       const float* s = xs + r0 * runs;
-#define SF_ROWS(R) \
-  tile_rows<BITS, R>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo, \
+#ifdef SF_ROWS_TILE
+#define SF_ROWS(R)                                                                             \
+  if constexpr (R == 1)                                                                        \
+    tile_rows<BITS, 1>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo,    \
+                       r0 / SF_ROW_TILE, tiles);                                               \
+  else                                                                                         \
+    SF_ROWS_TILE<BITS, R>(q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo,         \
+                          r0 / SF_ROW_TILE, tiles)
+#else
+#define SF_ROWS(R)                                                                             \
+  tile_rows<BITS, R>(blocks, q, d, s, K, p, sc, mn, num_groups, group_size, tile_out, ldo,      \
                      r0 / SF_ROW_TILE, tiles)
+#endif
       switch (rows) {
+#if SF_ROW_TILE > 7
+        case 8: SF_ROWS(8); break;
+        case 7: SF_ROWS(7); break;
+        case 6: SF_ROWS(6); break;
+        case 5: SF_ROWS(5); break;
+#endif
 #if SF_ROW_TILE > 3
         case 4: SF_ROWS(4); break;
         case 3: SF_ROWS(3); break;
@@ -351,3 +372,4 @@ static void int8_columns(const int8_t* xq, const float* xd, const float* xs, int
 #undef SF_COL_BLOCKS
 #undef SF_ONE_ROW_BLOCKS
 #undef SF_BYTE_DOT
+#undef SF_ROWS_TILE
