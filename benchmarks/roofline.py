@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from engine.device import freeze_long_lived_objects  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
@@ -316,6 +317,7 @@ def main() -> int:
     ready = time.perf_counter() - start
     engine.wait_until_compiled()
     compiled = time.perf_counter() - start
+    freeze_long_lived_objects()  # as the server does once its graphs are compiled
     config = engine.model_config
     dtype = getattr(torch, engine.config.dtype)
     shapes = weight_shapes(config)

@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.offline:
         from engine.config import EngineConfig
+        from engine.device import freeze_long_lived_objects
         from engine.llm_engine import LLMEngine
 
         engine = LLMEngine(
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         engine.wait_until_compiled()
+        freeze_long_lived_objects()  # as the server does once its graphs are compiled
         if args.warmup:
             run_offline(engine, warmup)
         if args.profile or args.profile_dir is not None:

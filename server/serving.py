@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import hmac
 import itertools
 import json
 import math
 import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,6 +35,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
+from engine.device import freeze_long_lived_objects
 from engine.structured_output import GrammarTokenizer
 from scheduler.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine
@@ -126,9 +127,17 @@ class ServerState:
     def on_engine_ready(self, engine: Any) -> None:
         # What loading made (modules, tokenizer, compiled code) lives as long as the server: out
         # of the collector's scans, so that a full collection under load does not pause the
-        # event loop for each of those objects.
-        gc.collect()
-        gc.freeze()
+        # event loop and the engine's steps for each of those objects; and again once the step
+        # graphs, compiled in the background after start-up, are ready, for the compiler's.
+        freeze_long_lived_objects()
+        wait_until_compiled = getattr(engine, "wait_until_compiled", None)
+        if wait_until_compiled is not None:
+            threading.Thread(
+                target=_freeze_when_compiled,
+                args=(wait_until_compiled,),
+                name="splitfuse-gc-freeze",
+                daemon=True,
+            ).start()
         self.token_text = TokenText(engine.tokenizer, engine.max_model_len)
         self.grammar_tokenizer = engine.grammar_tokenizer  # checks structured outputs
         self.model_name = self.config.served_model_name or engine.model_name
@@ -336,6 +345,12 @@ async def read_body(request: Request, model: type[BodyT]) -> BodyT:
         )
     request.state.priority = getattr(body, "priority", 0)
     return body
+
+
+def _freeze_when_compiled(wait_until_compiled: Callable[[], object]) -> None:
+    """Freezes what the engine's step-graph compilation made once it is done (a daemon thread)."""
+    wait_until_compiled()
+    freeze_long_lived_objects()
 
 
 def _being_cancelled() -> bool:

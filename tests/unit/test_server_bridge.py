@@ -361,3 +361,35 @@ def test_engine_stats_feed_the_metrics() -> None:
     assert "splitfuse_batch_tokens_count 4.0" in text
     assert "splitfuse_prefix_cache_queries_total 40.0" in text
     assert "splitfuse_prefix_cache_hits_total 4.0" in text
+
+
+def test_the_server_freezes_what_loading_and_then_compiling_made(monkeypatch):
+    """``on_engine_ready`` takes what loading made out of the collector's scans at once, and what
+    the step graphs' compilation made once the engine says it is done (a daemon thread)."""
+    from server import serving
+    from server.config import ServerConfig
+
+    frozen = []
+    monkeypatch.setattr(serving, "freeze_long_lived_objects", lambda: frozen.append(time.time()))
+    compiled = threading.Event()
+    engine = FakeEngine()
+    engine.grammar_tokenizer = None
+    engine.wait_until_compiled = compiled.wait
+    state = serving.ServerState(ServerConfig(), None, ServerMetrics())
+    try:
+        state.on_engine_ready(engine)
+        assert len(frozen) == 1 and state.model_name == "fake-model"
+        time.sleep(0.05)
+        assert len(frozen) == 1  # still compiling
+        compiled.set()
+        deadline = time.monotonic() + 10
+        while len(frozen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(frozen) == 2
+        # an engine without step graphs (a test double, a tensor-parallel front) is frozen once
+        del engine.wait_until_compiled
+        state.on_engine_ready(engine)
+        time.sleep(0.05)
+        assert len(frozen) == 3
+    finally:
+        state.close()
