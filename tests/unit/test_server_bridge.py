@@ -386,7 +386,7 @@ def test_the_server_freezes_what_loading_and_then_compiling_made(monkeypatch):
         while len(frozen) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(frozen) == 2
-        # an engine without step graphs (a test double, a tensor-parallel front) is frozen once
+        # an engine without step graphs (a test double) is frozen once, at ready
         del engine.wait_until_compiled
         state.on_engine_ready(engine)
         time.sleep(0.05)
