@@ -210,11 +210,20 @@ class SpinBarrier {
   explicit SpinBarrier(int threads) : threads_(threads) {}
 
   void wait() {
+    wait([] { return false; });
+  }
+
+  // wait(), calling meanwhile() (a short piece of work; false once none is left) while the
+  // others have not all arrived
+  template <typename Work>
+  void wait(const Work& meanwhile) {
     const int64_t generation = generation_.load(std::memory_order_relaxed);
     if (count_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
       count_.store(0, std::memory_order_relaxed);
       generation_.store(generation + 1, std::memory_order_release);
       return;
+    }
+    while (generation_.load(std::memory_order_acquire) == generation && meanwhile()) {
     }
     for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
       if (spins < kSpins)
@@ -291,6 +300,35 @@ class Claims {
 enum class Kind : int64_t {
   kInt4 = 4,      // 4 bits, PackedInt4 (engine/quantization.py): int4_linear's kernel
   kBlocked = 16,  // bfloat16 in oneDNN's blocked layout (engine/packed_linear.py): blocked_linear's
+};
+
+// Byte ranges asked for into the L2 cache a piece at a time (software prefetches, which never
+// fault and change no result)
+class Fetches {
+ public:
+  void add(const void* begin, int64_t bytes) {
+    if (bytes <= 0 || count_ == kRanges) return;
+    const char* p = static_cast<const char*>(begin);
+    ranges_[count_++] = {p, p + bytes};
+  }
+
+  // the next kPiece bytes' lines asked for; false once every range is
+  bool next() {
+    for (; at_ < count_; ++at_) {
+      auto& [p, end] = ranges_[at_];
+      if (p >= end) continue;
+      const char* stop = std::min(end, p + kPiece);
+      for (; p < stop; p += 64) __builtin_prefetch(p, 0, 2);
+      return true;
+    }
+    return false;
+  }
+
+ private:
+  static constexpr int kRanges = 9;
+  static constexpr int64_t kPiece = 4096;
+  std::pair<const char*, const char*> ranges_[kRanges];
+  int count_ = 0, at_ = 0;
 };
 
 struct Product {  // a weight [out_features, in_features]
@@ -805,7 +843,30 @@ struct DecodeStack : torch::CustomClassHolder {
           splitfuse_fixed_order::attend_items(args, k, k + 1, next);
           k = ahead ? next : take_one(items);
         }
-        barrier();
+        if (kind == Kind::kInt4 && T <= kTouchTokens) {
+          // A few tokens' attention is a few items (one token's: one), and a thread without
+          // one would wait here while the memory sits idle: it asks for its own shares of the
+          // next two products' bytes meanwhile (the ones it multiplies first) into its L2
+          // cache. Held to AVX2, one engine alternating with and without (10 rounds of 48
+          // steps, context 256): one stream 4.52 -> 4.35 ms a token, 8 streams 15.6 -> 15.3 ms
+          // a step; with AVX-512, one stream 4.62 -> 4.40 ms.
+          Fetches fetches;
+          const auto fetch = [&](const Product& p, int64_t b0, int64_t b1) {
+            const int64_t K = p.in_features, groups = K / group_size;
+            fetches.add(p.packed_ptr + b0 * K * 8, (b1 - b0) * K * 8);
+            fetches.add(p.scales_ptr + b0 * groups * kCols, (b1 - b0) * groups * kCols * 2);
+            fetches.add(p.mins_ptr + b0 * groups * kCols, (b1 - b0) * groups * kCols * 2);
+          };
+          const auto [o0, o1] = share(units(layer.o.blocks()), P, me);
+          fetch(layer.o, o0 * kUnitBlocks, std::min(layer.o.blocks(), o1 * kUnitBlocks));
+          const auto [g0, g1] = share(units(gate_blocks), P, me);
+          const int64_t gb0 = g0 * kUnitBlocks, gb1 = std::min(gate_blocks, g1 * kUnitBlocks);
+          fetch(layer.gate_up, gb0, gb1);
+          fetch(layer.gate_up, gate_blocks + gb0, gate_blocks + gb1);
+          meeting->wait([&] { return fetches.next(); });
+        } else {
+          barrier();
+        }
         round_into(attended.data(), rows_in, T * q_size, bf16);
         prepare(rows_in, q_size, int8);
         each_blocks(claims[l * kPhases + kO], layer.o.blocks(), kChunks,
