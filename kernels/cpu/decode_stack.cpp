@@ -847,9 +847,10 @@ struct DecodeStack : torch::CustomClassHolder {
           // A few tokens' attention is a few items (one token's: one), and a thread without
           // one would wait here while the memory sits idle: it asks for its own shares of the
           // next two products' bytes meanwhile (the ones it multiplies first) into its L2
-          // cache. Held to AVX2, one engine alternating with and without (10 rounds of 48
-          // steps, context 256): one stream 4.52 -> 4.35 ms a token, 8 streams 15.6 -> 15.3 ms
-          // a step; with AVX-512, one stream 4.62 -> 4.40 ms.
+          // cache. Engines alternating with and without (10 rounds of 48 steps from context
+          // 256, medians), a token's time with it against without: held to AVX2 one stream
+          // 0.94-1.03x in six engines (five faster), 8 streams 0.98x; with AVX-512 one stream
+          // 0.95-1.01x in three.
           Fetches fetches;
           const auto fetch = [&](const Product& p, int64_t b0, int64_t b1) {
             const int64_t K = p.in_features, groups = K / group_size;
