@@ -701,6 +701,13 @@ struct DecodeStack : torch::CustomClassHolder {
           work(u0 * kUnitBlocks, std::min(blocks, u1 * kUnitBlocks));
         });
       };
+      // the column blocks of this thread's own share of a product of `blocks` (each_blocks
+      // takes them first)
+      const auto own_blocks = [&](int64_t blocks) {
+        const auto [u0, u1] = share(units(blocks), P, me);
+        return std::pair<int64_t, int64_t>{std::min(blocks, u0 * kUnitBlocks),
+                                           std::min(blocks, u1 * kUnitBlocks)};
+      };
       const auto take_one = [&](Claims& c) {
         const auto [k, end] = c.take(me, 1);
         return k < end ? k : int64_t{-1};
@@ -858,12 +865,11 @@ struct DecodeStack : torch::CustomClassHolder {
             fetches.add(p.scales_ptr + b0 * groups * kCols, (b1 - b0) * groups * kCols * 2);
             fetches.add(p.mins_ptr + b0 * groups * kCols, (b1 - b0) * groups * kCols * 2);
           };
-          const auto [o0, o1] = share(units(layer.o.blocks()), P, me);
-          fetch(layer.o, o0 * kUnitBlocks, std::min(layer.o.blocks(), o1 * kUnitBlocks));
-          const auto [g0, g1] = share(units(gate_blocks), P, me);
-          const int64_t gb0 = g0 * kUnitBlocks, gb1 = std::min(gate_blocks, g1 * kUnitBlocks);
-          fetch(layer.gate_up, gb0, gb1);
-          fetch(layer.gate_up, gate_blocks + gb0, gate_blocks + gb1);
+          const auto [o0, o1] = own_blocks(layer.o.blocks());
+          fetch(layer.o, o0, o1);
+          const auto [g0, g1] = own_blocks(gate_blocks);  // the gate's, and the up's after it
+          fetch(layer.gate_up, g0, g1);
+          fetch(layer.gate_up, gate_blocks + g0, gate_blocks + g1);
           meeting->wait([&] { return fetches.next(); });
         } else {
           barrier();
