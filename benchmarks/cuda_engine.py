@@ -307,7 +307,16 @@ def profile(args, model_dir: Path, vocab: int, parameters: int) -> None:
     with torch_profile(activities=activities) as prof:
         llm.generate(prompt, greedy(32))
         sync(args.device)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    if args.device == "cuda":
+        # the device's side: its kernels (those a graph replays too), busiest first, and their
+        # time a step against the step's wall time above
+        print(averages.table(sort_by="self_device_time_total", row_limit=20), flush=True)
+        kernels_us = sum(event.self_device_time_total for event in averages)
+        print(f"     device busy: {kernels_us / 32 / 1e3:.3f} ms per step over 32 steps "
+              f"({sum(event.count for event in averages if event.self_device_time_total > 0)} "
+              "device events)")  # fmt: skip
     free(llm)
 
 
