@@ -274,6 +274,7 @@ def profile(args, model_dir: Path, vocab: int, parameters: int) -> None:
     phase synchronized, ``engine/step_timings.py``) and torch.profiler's busiest host operators."""
     import statistics
 
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -313,10 +314,11 @@ def profile(args, model_dir: Path, vocab: int, parameters: int) -> None:
         # the device's side: its kernels (those a graph replays too), busiest first, and their
         # time a step against the step's wall time above
         print(averages.table(sort_by="self_device_time_total", row_limit=20), flush=True)
-        kernels_us = sum(event.self_device_time_total for event in averages)
+        # (the device's own events: an operator's row repeats its kernels' time)
+        kernels = [event for event in averages if event.device_type != DeviceType.CPU]
+        kernels_us = sum(event.self_device_time_total for event in kernels)
         print(f"     device busy: {kernels_us / 32 / 1e3:.3f} ms per step over 32 steps "
-              f"({sum(event.count for event in averages if event.self_device_time_total > 0)} "
-              "device events)")  # fmt: skip
+              f"({sum(event.count for event in kernels)} kernels)")  # fmt: skip
     free(llm)
 
 
