@@ -859,6 +859,8 @@ struct DecodeStack : torch::CustomClassHolder {
           // 0.94-1.03x in six engines (five faster), 8 streams 0.98x; with AVX-512 one stream
           // 0.95-1.01x in three.
           Fetches fetches;
+          // (a 4-bit column block: kCols x K nibbles, K * 8 bytes; a scale and a min a group
+          // and column)
           const auto fetch = [&](const Product& p, int64_t b0, int64_t b1) {
             const int64_t K = p.in_features, groups = K / group_size;
             fetches.add(p.packed_ptr + b0 * K * 8, (b1 - b0) * K * 8);
