@@ -26,11 +26,14 @@ holds the weights (``splitfuse_cpu.GraphCall``, ``kernels/cpu/graph_call.cpp``):
 over its ~10 own arguments instead of ~440 (int4 weights) made into handles by Python (~0.15 ms
 of a one-stream int4 step of ~6.3 ms, alternated step by step in one process).
 
-With quantized weights (whose products run one operator for every row count) the graph of two
-tokens and up takes the plan as tensors too (``tensor_plan_unsupported`` says where it cannot):
-its layers call ``splitfuse_cpu::store_and_attend_step``, which attends decode tokens and prompt
-chunks alike from the step's tables, so it too runs under the C++ wrapper and is called through
-its entry point: no step has Python between its kernels, and no graph holds a Python object.
+The graph of two tokens and up takes the plan as tensors too: its layers call
+``splitfuse_cpu::store_and_attend_step``, which attends decode tokens and prompt chunks alike
+from the step's tables. With quantized weights (whose products run one operator for every row
+count) it too runs under the C++ wrapper and is called through its entry point: no step has
+Python between its kernels, and no graph holds a Python object. Where a product switches to
+oneDNN's packed weight above a row count (``tensor_plan_unsupported``), it keeps a Python
+wrapper, as the graph of one token does there; should it fail to compile, it takes the plan
+object (each layer's attention then the Python operator ``splitfuse::attend``).
 Such graphs need no compiler to run, so a runner given a ``builder`` has them compiled in a
 process of its own (``engine/graph_build.py``; kept for later starts) and only loads them: the
 serving process never imports torch's compiler (default model, int4, served with a 64 MiB KV
@@ -131,8 +134,8 @@ def python_wrapper_needed(stack: nn.Module) -> str:
 
 
 def tensor_plan_unsupported(stack: nn.Module) -> str:
-    """Why the graph of two tokens and up cannot take the plan as tensors and run under
-    inductor's C++ wrapper ('' when it can): one graph serves every token count there, so a
+    """Why the graph of two tokens and up cannot run under inductor's C++ wrapper ('' when it
+    can; it then keeps a Python wrapper): one graph serves every token count there, so a
     product must run the same operator whatever the rows, and one that the wrapper can call.
     The quantized products do; an unquantized one switches from ``blocked_linear`` to oneDNN's
     packed weight (an opaque object) above a row count."""
@@ -200,6 +203,11 @@ class _GraphRecorder:
     def __init__(self, config_patches: dict[str, Any]) -> None:
         self.config_patches = config_patches
         self.graphs: list[tuple[list[str | None], Callable[..., Any]]] = []
+
+    @property
+    def python_wrapper(self) -> bool:
+        """Whether its graphs run under inductor's Python wrapper (not the C++ one)."""
+        return not self.config_patches.get("cpp_wrapper", False)
 
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         from torch._inductor.compile_fx import compile_fx
@@ -456,10 +464,10 @@ class StepGraphs:
         """``single_token_graph``: also compile the graph of exactly one token (otherwise a
         one-token step must reach the graph padded to two: deterministic mode, whose rows must
         always run the same loops). ``operator_step(plan)``: the backend's plan of a step as
-        tensors alone (None where it has none); given, the graph of one token takes that form
-        and runs under inductor's C++ wrapper (no Python between its kernels), and so does the
-        graph of two tokens and up where every product runs one operator for any row count
-        (``tensor_plan_unsupported``; not in deterministic mode).
+        tensors alone (None where it has none); given, both graphs take that form (not in
+        deterministic mode) and run under inductor's C++ wrapper (no Python between their
+        kernels) where their products allow it (``python_wrapper_needed``,
+        ``tensor_plan_unsupported``).
 
         ``builder``: the same model's graphs kept from an earlier start, or compiled in another
         process (``engine/graph_build.py``); used where every graph runs under the C++ wrapper,
@@ -509,23 +517,35 @@ class StepGraphs:
         cpp_wrapper = {"cpp_wrapper": True, "size_asserts": False}
         # deterministic mode (no graph of one token) has no plan as tensors
         tensor_plans = self._single_token_graph and operator_step is not None
-        why = tensor_plan_unsupported(model.model) if tensor_plans else ""
-        if tensor_plans and not why:
-            self._stack_graphs = _GraphRecorder(cpp_wrapper)
+        if tensor_plans:
+            # where a product needs a Python object (oneDNN's packed weight) the graph keeps a
+            # Python wrapper, but it takes the plan as tensors all the same: each layer's
+            # attention is then the C++ operator, not the Python one (bfloat16 prefill of the
+            # default model on 2 cores of an AMX CPU, alternating processes: 3,213-3,359 ->
+            # 3,409-3,549 tok/s)
+            why = tensor_plan_unsupported(model.model)
+            if why:
+                logger.info("compile: the graph of two tokens and up keeps a Python wrapper (%s)",
+                            why)  # fmt: skip
+            self._stack_graphs = _GraphRecorder({} if why else cpp_wrapper)
             self._stack = self._whole_graph(self._stack_graphs)
         else:
-            if why:
-                logger.info("compile: the graph of two tokens and up takes the plan object (%s)",
-                            why)  # fmt: skip
-            self._stack = torch.compile(
-                _own_forward(model.model), dynamic=True, options=_compile_options()
-            )
+            self._plan_object_stack()
         if self._single_token_graph and operator_step is not None:
             why = python_wrapper_needed(model.model)
             if why:
                 logger.info("compile: the graph of one token keeps a Python wrapper (%s)", why)
             self._single_graphs = _GraphRecorder({} if why else cpp_wrapper)
             self._single = self._whole_graph(self._single_graphs)
+
+    def _plan_object_stack(self) -> None:
+        """The graph of two tokens and up taking the plan object (deterministic mode, or where
+        the graph that takes the plan as tensors failed to compile)."""
+        self._stack_graphs = None
+        self.stack_direct = None
+        self._stack = torch.compile(
+            _own_forward(self.model.model), dynamic=True, options=_compile_options()
+        )
 
     def _whole_graph(self, recorder: _GraphRecorder) -> Callable[..., torch.Tensor]:
         """The forward compiled as one graph (no break) by ``recorder``, which keeps it."""
@@ -641,13 +661,24 @@ class StepGraphs:
                             self._stack_graphs, input_ids, positions, graph_plan, hidden
                         )
                 except Exception:
-                    if graph is not self._single:
+                    if graph is self._single:
+                        logger.exception(
+                            "compile: the graph of one token failed; one-token steps take the "
+                            "graph of the other sizes' form instead"
+                        )
+                        self._single = None
+                    elif (
+                        graph_plan is not plan
+                        and self._stack_graphs is not None
+                        and self._stack_graphs.python_wrapper
+                    ):
+                        logger.exception(
+                            "compile: the graph of two tokens and up that takes the plan as "
+                            "tensors failed; it takes the plan object instead"
+                        )
+                        self._plan_object_stack()
+                    else:
                         raise
-                    logger.exception(
-                        "compile: the graph of one token failed; one-token steps take the "
-                        "graph of the other sizes' form instead"
-                    )
-                    self._single = None
                     input_ids, positions, plan, _ = dummy_step(num_tokens, False)
                     graph, graph_plan = self._graph(num_tokens, plan)
                     self._trace(graph, input_ids, positions, graph_plan)

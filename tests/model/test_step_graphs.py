@@ -328,35 +328,14 @@ def test_the_graph_of_one_token_called_directly_is_the_compilers(
     assert compared == direct_calls == 39
 
 
-def test_steps_of_two_tokens_and_up_take_the_plan_as_tensors_with_quantized_weights(
-    tiny_llama_dir, monkeypatch
-) -> None:
-    """With quantized products (one operator for every row count), the graph of two tokens and
-    up takes the plan as tensors as well and runs under inductor's C++ wrapper, called through
-    its entry point: prompt steps, mixed steps and decode steps of several rows alike, each
-    step's logits bit for bit those of the same graph through the compiler and close to the
-    eager forward's (bfloat16 here; float32 activations in ``test_graph_build.py``).
-    Unquantized weights, whose products switch to oneDNN's packed weight above a row count,
-    keep the plan object there (where the CPU packs them: not bfloat16 on an AVX2-only one)."""
-    from engine.layers import MatmulLayer
-    from kernels.cpu_ops import has_fixed_order_attention
-
-    if not has_fixed_order_attention():
-        pytest.skip("the C++ operators are not built here")
-    for dtype in ("bfloat16", "float32"):
-        plain = _engine(tiny_llama_dir, dtype=dtype).runner.model.model
-        packed = any(
-            isinstance(module, MatmulLayer) and module.packed_weight is not None
-            for module in plain.modules()
-        )
-        assert packed or dtype == "bfloat16"  # (oneDNN packs float32 weights on every CPU)
-        why = step_graphs.tensor_plan_unsupported(plain)
-        assert ("packed for oneDNN" in why) == packed, why
-    dtype = "bfloat16"
-    engine = _engine(tiny_llama_dir, dtype=dtype, compile=True, quantization="int4")
+def _check_steps_of_two_tokens_and_up(engine: LLMEngine, monkeypatch) -> None:
+    """Runs prompts, mixed steps and decode steps of several rows through ``engine``'s graph of
+    two tokens and up, which takes the plan as tensors and is called directly: each step's
+    logits bit for bit those of the same graph through the compiler and close to the eager
+    forward's."""
     graphs = engine.runner.graphs
     direct = graphs.stack_direct
-    assert direct is not None and direct.entry is not None
+    assert direct is not None
     original = step_graphs.StepGraphs.__call__
     steps: list[int] = []  # token counts of the steps through the graph of two and up
 
@@ -394,6 +373,51 @@ def test_steps_of_two_tokens_and_up_take_the_plan_as_tensors_with_quantized_weig
     # the prompts together, 4 rows decoding, then 3 and 2 as the shorter requests finish
     assert steps[:4] == [sum(len(p) for p in prompts), 4, 4, 4]
     assert {2, 3} <= set(steps) and steps[-1] == len(alone[0])
+
+
+def test_steps_of_two_tokens_and_up_take_the_plan_as_tensors_with_quantized_weights(
+    tiny_llama_dir, monkeypatch
+) -> None:
+    """With quantized products (one operator for every row count), the graph of two tokens and
+    up takes the plan as tensors and runs under inductor's C++ wrapper, called through its
+    entry point (bfloat16 here; float32 activations in ``test_graph_build.py``). Unquantized
+    weights, whose products switch to oneDNN's packed weight above a row count, keep a Python
+    wrapper there (where the CPU packs them: not bfloat16 on an AVX2-only one)."""
+    from engine.layers import MatmulLayer
+    from kernels.cpu_ops import has_fixed_order_attention
+
+    if not has_fixed_order_attention():
+        pytest.skip("the C++ operators are not built here")
+    for dtype in ("bfloat16", "float32"):
+        plain = _engine(tiny_llama_dir, dtype=dtype).runner.model.model
+        packed = any(
+            isinstance(module, MatmulLayer) and module.packed_weight is not None
+            for module in plain.modules()
+        )
+        assert packed or dtype == "bfloat16"  # (oneDNN packs float32 weights on every CPU)
+        why = step_graphs.tensor_plan_unsupported(plain)
+        assert ("packed for oneDNN" in why) == packed, why
+    engine = _engine(tiny_llama_dir, dtype="bfloat16", compile=True, quantization="int4")
+    graphs = engine.runner.graphs
+    assert graphs.stack_direct is not None and graphs.stack_direct.entry is not None
+    _check_steps_of_two_tokens_and_up(engine, monkeypatch)
+
+
+def test_steps_of_two_tokens_and_up_take_the_plan_as_tensors_with_packed_weights(
+    tiny_llama_dir, monkeypatch
+) -> None:
+    """With oneDNN's packed weights (float32 here, packed on every CPU) the graph of two tokens
+    and up keeps a Python wrapper but takes the plan as tensors all the same, so each layer's
+    attention is the C++ operator: the same checks as under the C++ wrapper."""
+    from kernels.cpu_ops import has_fixed_order_attention
+
+    if not has_fixed_order_attention():
+        pytest.skip("the C++ operators are not built here")
+    engine = _engine(tiny_llama_dir, dtype="float32", compile=True)
+    graphs = engine.runner.graphs
+    assert graphs._stack_graphs is not None and graphs._stack_graphs.python_wrapper
+    assert graphs.stack_direct is not None and graphs.stack_direct.entry is None
+    _check_steps_of_two_tokens_and_up(engine, monkeypatch)
 
 
 def test_graph_call_refuses_arguments_that_do_not_fit() -> None:
