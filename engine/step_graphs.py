@@ -521,8 +521,8 @@ class StepGraphs:
             # where a product needs a Python object (oneDNN's packed weight) the graph keeps a
             # Python wrapper, but it takes the plan as tensors all the same: each layer's
             # attention is then the C++ operator, not the Python one (bfloat16 prefill of the
-            # default model on 2 cores of an AMX CPU, alternating processes: 3,213-3,359 ->
-            # 3,409-3,549 tok/s)
+            # default model on 2 cores of an AMX CPU, alternating processes: ~2% by the medians,
+            # 1.5-6% faster in three pairs of runs of four, 3.5% slower in one)
             why = tensor_plan_unsupported(model.model)
             if why:
                 logger.info("compile: the graph of two tokens and up keeps a Python wrapper (%s)",
