@@ -423,17 +423,12 @@ def test_only_the_sampled_rows_logits(tiny_llama_dir):
 
 def test_where_the_stack_applies(tiny_llama_dir, tiny_qwen2_dir):
     assert int4_engine(tiny_llama_dir, "bfloat16").runner.decode_stack.holds_head
-    bfloat16_runner = int4_engine(tiny_llama_dir, "bfloat16", quantization="none").runner
-    bfloat16 = bfloat16_runner.decode_stack
+    runner = int4_engine(tiny_llama_dir, "bfloat16", quantization="none").runner
+    bfloat16 = runner.decode_stack
     if not has_blocked_linear():
         assert bfloat16 is None
     elif bfloat16 is None:  # oneDNN packed a weight in a layout of its own (AMX)
-        why = unsupported(
-            bfloat16_runner.model,
-            bfloat16_runner.parallel,
-            False,
-            bfloat16_runner.kv_cache,
-        )
+        why = unsupported(runner.model, runner.parallel, False, runner.kv_cache)
         assert "blocked layout" in why
     assert bfloat16 is None or not bfloat16.holds_head  # a bfloat16 embedding and LM head
     assert int4_engine(tiny_llama_dir, "float32", quantization="none").runner.decode_stack is None
