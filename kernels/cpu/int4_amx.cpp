@@ -38,8 +38,7 @@ constexpr int kXfeatureXtiledata = 18;
 
 bool ask_for_amx() {
   __builtin_cpu_init();
-  // SPLITFUSE_CPU_ISA=avx512_vnni (or any narrower set) leaves the tiles out
-  const char* asked = std::getenv("SPLITFUSE_CPU_ISA");
+  const char* asked = std::getenv("SPLITFUSE_CPU_ISA");  // any narrower instruction set
   if (asked != nullptr && asked[0] != '\0') return false;
   unsigned eax, ebx, ecx, edx;
   // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE; AVX-512 BF16 in leaf 7 subleaf 1

@@ -15,8 +15,7 @@ namespace splitfuse_int4 {
 constexpr int64_t kAmxRows = 33;
 
 // True where the CPU has AMX-BF16, the kernel asks the OS for the tiles' state and gets it, and
-// SPLITFUSE_CPU_ISA is not set (avx512_vnni, or a narrower set, leaves the tiles out); decided
-// once.
+// SPLITFUSE_CPU_ISA does not ask for a narrower instruction set; decided once.
 bool amx_ready();
 
 // Column blocks [block_begin, block_end) (16 columns each) of out [M, N] float32 = x times the
