@@ -73,7 +73,6 @@ _SOURCES = (
     "ragged_attention.cpp",
     "blocked_linear.cpp",
     "int4_linear.cpp",
-    "int4_amx.cpp",
     "graph_call.cpp",
     "decode_stack.cpp",
     "greedy_argmax.cpp",
