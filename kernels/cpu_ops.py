@@ -44,8 +44,9 @@ returns the causal attention of the step's rows over it, [num_tokens, num_heads,
 query's dtype: row r's tokens query_start[r] .. query_start[r + 1] - 1 sit at the last q_len of
 its context_lens[r] positions, read through row r of block_tables. Decode rows go to the
 fixed-order kernel, all in one call; each prompt chunk gathers its context and calls SDPA (by
-query chunks of 64 from 128 tokens on, as ``kernels/torch_attention.py``). Every input is checked
-before the cache is written.
+query chunks of 64 from 128 tokens on, as ``kernels/torch_attention.py``, except for a chunk
+with nothing cached before it where torch's flash kernel multiplies on AMX tiles: one causal
+call). Every input is checked before the cache is written.
 """
 
 from __future__ import annotations
