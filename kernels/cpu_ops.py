@@ -248,6 +248,20 @@ def has_blocked_linear() -> bool:
     return load() == "avx512_bf16"
 
 
+def attends_whole(dtype: torch.dtype) -> bool:
+    """Whether a prompt chunk with nothing cached before it attends in one causal call, not in
+    query chunks, as ``store_and_attend_step`` decides: where torch's CPU flash kernel
+    multiplies ``dtype`` on AMX tiles (False where the operators are not built)."""
+    if dtype not in (torch.bfloat16, torch.float16) or load() == "torch":
+        return False
+    if dtype not in _attends_whole:
+        _attends_whole[dtype] = bool(torch.ops.splitfuse_cpu.attends_whole(dtype))
+    return _attends_whole[dtype]
+
+
+_attends_whole: dict[torch.dtype, bool] = {}
+
+
 def has_fixed_order_attention() -> bool:
     """Whether ``torch.ops.splitfuse_cpu.fixed_order_attention`` is there (builds or loads the
     operators on the first call)."""

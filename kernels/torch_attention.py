@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.checks import KernelInputError
+from kernels.cpu_ops import attends_whole
 
 __all__ = ["AttentionPlan", "paged_attention", "plan_paged_attention"]
 
@@ -40,7 +41,9 @@ __all__ = ["AttentionPlan", "paged_attention", "plan_paged_attention"]
 MIN_SAVED_POSITIONS = 2048
 # Prompt groups of at least twice this many query slots attend in query chunks of this many, each
 # over the context its last query sees: causal attention skips the keys past the chunk, which
-# torch's CPU flash kernel does not (512 x 512, 9 heads, bfloat16 on 2 cores: 3.8 -> 2.8 ms).
+# torch's CPU flash kernel does not (512 x 512, 9 heads, bfloat16 on 2 cores: 3.8 -> 2.8 ms). Not
+# whole prompts with nothing cached where that kernel multiplies on AMX tiles (``attends_whole``):
+# one causal call there, as ``store_and_attend_step`` makes.
 QUERY_CHUNK = 64
 # Deterministic mode: context positions per value product (see ``_fixed_order_attention``); a
 # deterministic plan pads every group's context to a multiple of it
@@ -490,7 +493,11 @@ def _attend_prompt_group(
     num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
     queries, keys, values = _gather_prompt_group(query, key_rows, value_rows, group)
     gqa = num_heads != keys.shape[1]
-    if group.query_chunks:
+    # whole prompts with nothing cached: in one causal call where the C++ operator makes one
+    # (torch's flash kernel on AMX tiles, ``attends_whole``)
+    if group.query_chunks and not (
+        group.mask is None and query.device.type == "cpu" and attends_whole(query.dtype)
+    ):
         attended = torch.cat(
             [
                 F.scaled_dot_product_attention(

@@ -222,6 +222,9 @@ TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
   m.def("store_and_attend_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
         "int layer, Tensor slots, Tensor block_tables, Tensor query_start, Tensor context_lens, "
         "float scale) -> Tensor");
+  // whether a prompt chunk with nothing cached attends in one causal call here (whole_causal)
+  m.def("attends_whole(ScalarType dtype) -> bool",
+        [](c10::ScalarType dtype) { return whole_causal(dtype); });
 }
 
 TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {

@@ -12,7 +12,8 @@ import pytest
 import torch
 from kernel_reference import make_ragged_batch, reference_attention
 
-from kernels.cpu_ops import has_fixed_order_attention
+from engine.device import cpu_flags
+from kernels.cpu_ops import attends_whole, has_fixed_order_attention
 from kernels.torch_attention import paged_attention, plan_paged_attention
 
 pytestmark = pytest.mark.skipif(
@@ -103,6 +104,19 @@ def test_matches_the_python_path_and_a_float64_reference(name, dtype, head_dim):
     _assert_same_cache(kv_cache[0, 0], batch.key_cache)  # what the batch's cache held
     _assert_near(got, want, dtype)
     _assert_near(got, reference_attention(batch), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_whole_prompt_attends_as_the_python_path_decides(dtype):
+    """A prompt of 200 tokens with nothing cached: in one causal call where torch's flash kernel
+    multiplies on AMX tiles (``attends_whole``), else by query chunks; the operator and the Python
+    path decide alike and give the same bits."""
+    if dtype == torch.float32 or "amx_bf16" not in cpu_flags():
+        assert not attends_whole(dtype)
+    batch, query, key, value, kv_cache, slots = _step([(0, 200)], 9, 3, 64, dtype, seed=7)
+    want, _ = _python_path(batch, query, key, value, kv_cache, slots)
+    got = _store_and_attend_step(batch, query, key, value, kv_cache, slots)
+    assert torch.equal(got, want)
 
 
 def _decode_tokens(batch):
