@@ -46,7 +46,8 @@ its context_lens[r] positions, read through row r of block_tables. Decode rows g
 fixed-order kernel, all in one call; each prompt chunk gathers its context and calls SDPA (by
 query chunks of 64 from 128 tokens on, as ``kernels/torch_attention.py``, except for a chunk
 with nothing cached before it where torch's flash kernel multiplies on AMX tiles: one causal
-call). Every input is checked before the cache is written.
+call; ``attends_whole(dtype)`` says where, for the eager path to decide alike). Every input is
+checked before the cache is written.
 """
 
 from __future__ import annotations
