@@ -52,6 +52,7 @@ checked before the cache is written.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -249,18 +250,14 @@ def has_blocked_linear() -> bool:
     return load() == "avx512_bf16"
 
 
+@functools.cache
 def attends_whole(dtype: torch.dtype) -> bool:
     """Whether a prompt chunk with nothing cached before it attends in one causal call, not in
     query chunks, as ``store_and_attend_step`` decides: where torch's CPU flash kernel
     multiplies ``dtype`` on AMX tiles (False where the operators are not built)."""
     if dtype not in (torch.bfloat16, torch.float16) or load() == "torch":
         return False
-    if dtype not in _attends_whole:
-        _attends_whole[dtype] = bool(torch.ops.splitfuse_cpu.attends_whole(dtype))
-    return _attends_whole[dtype]
-
-
-_attends_whole: dict[torch.dtype, bool] = {}
+    return bool(torch.ops.splitfuse_cpu.attends_whole(dtype))
 
 
 def has_fixed_order_attention() -> bool:
