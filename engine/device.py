@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# a KV cache's: the activations' dtypes, and float8 e4m3fn under vLLM's name too ("fp8")
+KV_CACHE_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
 # CPU flags under which bfloat16 matrix products run in hardware (AMX tiles or AVX-512 BF16)
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -100,7 +102,7 @@ def resolve_kv_cache_dtype(
             and quantized
         )
         return torch.float16 if mixed else dtype
-    kv_dtype = DTYPES[name]
+    kv_dtype = KV_CACHE_DTYPES[name]
     if kv_dtype != dtype and attention_backend != "torch":
         raise ValueError(
             f"kv_cache_dtype {name} with {str(dtype).removeprefix('torch.')} activations needs "

@@ -294,6 +294,9 @@ def _store_kv(
     # rounded to a cache of another dtype
     key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     slot_shape = (-1, *key_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim] views
+    if key_cache.element_size() == 1:  # float8: copied as their bytes (no index_copy_ for it)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
     key_cache.view(slot_shape).index_copy_(0, plan.store_slots, key)
     value_cache.view(slot_shape).index_copy_(0, plan.store_slots, value)
 

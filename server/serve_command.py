@@ -107,9 +107,9 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     engine.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", "float32", "bfloat16", "float16", "fp8", "float8_e4m3fn"],
         help="the KV cache's dtype (auto: the model's, float16 for quantized weights with "
-        "float32 activations on a CPU)",
+        "float32 activations on a CPU; fp8: float8 e4m3fn, unscaled, +-448 at most)",
     )
     engine.add_argument("--device", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--max-batch-tokens", type=int, help="token budget per step (512)")

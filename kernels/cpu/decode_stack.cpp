@@ -584,8 +584,9 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
     const int64_t layer_elems = num_blocks * block_size * kv_size;  // one layer's K (or V)
     const bool bf16 = dtype == at::kBFloat16;
-    // the cache's kind as the fixed-order kernel numbers it: 0 float32, 1 bfloat16, 2 float16
-    const int cache_kind = splitfuse_fixed_order::dtype_kind(kv_cache.scalar_type());
+    // the cache's kind as the fixed-order kernel numbers it: 0 float32, 1 bfloat16, 2 float16,
+    // 3 float8 e4m3fn
+    const int cache_kind = splitfuse_fixed_order::cache_kind(kv_cache.scalar_type());
     const auto to_act = [bf16](float v) { return bf16 ? round_bf16(v) : v; };
 
     // shared between the threads, floats holding values of the activations' dtype
@@ -841,6 +842,11 @@ struct DecodeStack : torch::CustomClassHolder {
               auto* v_out = reinterpret_cast<c10::Half*>(values) + at;
               for (int64_t i = 0; i < D; ++i) k_out[i] = c10::Half(key[i]);
               for (int64_t i = 0; i < D; ++i) v_out[i] = c10::Half(value[i]);
+            } else if (cache_kind == 3) {  // to nearest even, +-448 beyond: torch's conversion
+              auto* k_out = reinterpret_cast<c10::Float8_e4m3fn*>(keys) + at;
+              auto* v_out = reinterpret_cast<c10::Float8_e4m3fn*>(values) + at;
+              for (int64_t i = 0; i < D; ++i) k_out[i] = c10::Float8_e4m3fn(key[i]);
+              for (int64_t i = 0; i < D; ++i) v_out[i] = c10::Float8_e4m3fn(value[i]);
             } else {
               std::memcpy(reinterpret_cast<float*>(keys) + at, key, sizeof(float) * D);
               std::memcpy(reinterpret_cast<float*>(values) + at, value, sizeof(float) * D);
@@ -952,11 +958,11 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() &&
                     kv_cache.size(0) == num_layers() && kv_cache.size(1) == 2 &&
                     kv_cache.size(4) == num_kv_heads && kv_cache.size(5) == head_dim &&
-                    splitfuse_fixed_order::dtype_kind(kv_cache.scalar_type()) >= 0 &&
+                    splitfuse_fixed_order::cache_kind(kv_cache.scalar_type()) >= 0 &&
                     kv_cache.device().is_cpu(),
                 kName, ": kv_cache must be a contiguous [", num_layers(), ", 2, num_blocks, "
-                "block_size, ", num_kv_heads, ", ", head_dim, "] float32, bfloat16 or float16 "
-                "tensor");
+                "block_size, ", num_kv_heads, ", ", head_dim, "] float32, bfloat16, float16 or "
+                "float8_e4m3fn tensor");
     const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.is_contiguous() &&
                     positions.scalar_type() == at::kLong && positions.device().is_cpu(),

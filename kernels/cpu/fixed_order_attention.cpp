@@ -42,12 +42,16 @@ struct Bf16 {
 struct Fp16 {
   uint16_t bits;
 };
+struct Fp8 {  // float8 e4m3fn: a cache's dtype only
+  uint8_t bits;
+};
 
 using splitfuse_fixed_order::FixedOrderArgs;
 
 inline float to_float(float v) { return v; }
 inline float to_float(Bf16 v) { return bfloat16_to_float(v.bits); }
 inline float to_float(Fp16 v) { return half_to_float(v.bits); }
+inline float to_float(Fp8 v) { return float8_e4m3fn_to_float(v.bits); }
 
 template <typename T>
 inline T from_float(float v);
@@ -62,6 +66,10 @@ inline Bf16 from_float<Bf16>(float v) {
 template <>
 inline Fp16 from_float<Fp16>(float v) {
   return Fp16{c10::Half(v).x};
+}
+template <>
+inline Fp8 from_float<Fp8>(float v) {  // to nearest even, beyond +-448 to +-448 (torch's)
+  return Fp8{c10::Float8_e4m3fn(v).x};
 }
 
 constexpr int kLanes = 16;
@@ -85,6 +93,25 @@ static inline void split_pairs(const Fp16* in, v16& even, v16& odd) {
   const __m512i words = _mm512_loadu_si512(in);
   even = (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
   odd = (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+}
+// 32 float8 e4m3fn values / 256, exact: read as 16 words (the even dims' bytes low, the odd
+// ones' high), each byte moved to the top of a word (the even ones by a shift), shifted down one
+// place with its sign, and masked to sign, exponent and mantissa: float16 bits
+// (float8_e4m3fn_to_half_256th), widened by VCVTPH2PS
+static inline void split_pairs_256th(const Fp8* in, v16& even, v16& odd) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
+  const __m256i keep = _mm256_set1_epi16(static_cast<int16_t>(0xBF80));
+  const __m256i even_halves =
+      _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(words, 8), 1), keep);
+  const __m256i odd_halves = _mm256_and_si256(_mm256_srai_epi16(words, 1), keep);
+  even = (v16)_mm512_cvtph_ps(even_halves);
+  odd = (v16)_mm512_cvtph_ps(odd_halves);
+}
+// the values themselves: times 256, exact
+static inline void split_pairs(const Fp8* in, v16& even, v16& odd) {
+  split_pairs_256th(in, even, odd);
+  even = even * 256.0f;
+  odd = odd * 256.0f;
 }
 #define SF_F16C 1
 #include "fixed_order_attention_body.h"
@@ -140,6 +167,13 @@ int kind_of(const at::Tensor& t, const char* name) {
   const int kind = splitfuse_fixed_order::dtype_kind(t.scalar_type());
   TORCH_CHECK(kind >= 0, "fixed_order_attention: ", name,
               " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  return kind;
+}
+
+int cache_kind_of(const at::Tensor& t) {
+  const int kind = splitfuse_fixed_order::cache_kind(t.scalar_type());
+  TORCH_CHECK(kind >= 0, "fixed_order_attention: the caches must be float32, bfloat16, float16 "
+              "or float8_e4m3fn, got ", t.scalar_type());
   return kind;
 }
 
@@ -204,6 +238,15 @@ int dtype_kind(at::ScalarType type) {
   }
 }
 
+int cache_kind(at::ScalarType type) {
+  return type == at::kFloat8_e4m3fn ? 3 : dtype_kind(type);
+}
+
+int64_t cache_element_size(int kinds) {
+  constexpr int64_t sizes[kCacheKinds] = {4, 2, 2, 1};
+  return sizes[kinds % kCacheKinds];
+}
+
 // The attention itself, on checked inputs.
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -234,7 +277,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
                       head_dim,
                       kv_per_item,
                       static_cast<float>(scale),
-                      kind_of(query, "query") * 3 + kind_of(key_cache, "the caches")};
+                      kind_of(query, "query") * kCacheKinds + cache_kind_of(key_cache)};
   if (num_tokens <= kTouchTokens)
     at::parallel_for(0, num_tokens * args.table_stride, 1, [&](int64_t begin, int64_t end) {
       touch_items(args, begin, end, 0);
@@ -254,7 +297,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
 // (Software prefetches of the same lines, even a layer ahead, changed nothing there.) Only reads:
 // no number changes.
 void touch_items(const FixedOrderArgs& args, int64_t begin, int64_t end, int64_t left_out) {
-  const int64_t elem = args.kinds % 3 == 0 ? 4 : 2;  // the caches' element size
+  const int64_t elem = cache_element_size(args.kinds);
   const int64_t slot_bytes = args.slot_stride * elem, block_bytes = args.block_size * slot_bytes;
   const auto* keys = static_cast<const volatile char*>(args.key_cache);
   const auto* values = static_cast<const volatile char*>(args.value_cache);
@@ -283,7 +326,7 @@ std::pair<int64_t, int64_t> item_of(const FixedOrderArgs& args, int64_t k) {
 
 void ask_for_item(const FixedOrderArgs& args, int64_t k, int64_t part, int64_t parts) {
   // (prefetches: any body's Ahead asks alike)
-  const int64_t elem = args.kinds % 3 == 0 ? 4 : 2;  // the caches' element size
+  const int64_t elem = cache_element_size(args.kinds);
   auto ahead = splitfuse_attention_base::ahead_for(args, k, parts, elem);
   ahead.next = std::min(part * ahead.per_call, 2 * ahead.length);
   ahead.issue();

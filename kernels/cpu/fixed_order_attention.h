@@ -25,12 +25,22 @@ struct FixedOrderArgs {
   int64_t num_heads, num_kv_heads, head_dim;
   int64_t kv_per_item;  // KV heads of a token per work item: 1 or num_kv_heads
   float scale;
-  int kinds;  // query kind * 3 + cache kind; kind: 0 float32, 1 bfloat16, 2 float16
+  int kinds;  // query kind * kCacheKinds + cache kind (dtype_kind, cache_kind)
 };
 
-// A dtype's kind as FixedOrderArgs::kinds numbers it: 0 float32, 1 bfloat16, 2 float16; -1 for
-// any other.
+// How many dtypes a cache may hold (cache_kind): float32, bfloat16, float16, float8 e4m3fn.
+constexpr int kCacheKinds = 4;
+
+// A query's dtype's kind as FixedOrderArgs::kinds numbers it: 0 float32, 1 bfloat16, 2
+// float16; -1 for any other.
 int dtype_kind(at::ScalarType type);
+
+// A cache's dtype's kind: dtype_kind's, and 3 for float8 e4m3fn (read widened in registers,
+// exact, as float16 is); -1 for any other.
+int cache_kind(at::ScalarType type);
+
+// The size in bytes of a cache element of FixedOrderArgs::kinds `kinds`.
+int64_t cache_element_size(int kinds);
 
 // Steps of at most kTouchTokens tokens read their contexts once ahead of the arithmetic
 // (touch_items); steps of at least kWholeTokenItems tokens a thread give each work item a
@@ -56,7 +66,8 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
 // Token t of `query` [num_tokens, num_heads, head_dim] (heads contiguous) attends to positions
 // 0 .. token_lens[t] - 1 of row token_rows[t] of the block tables, reading the caches in place:
 // [num_tokens, num_heads, head_dim] in the query's dtype, contiguous. On inputs that
-// fixed_order_attention's checks accept (query and caches float32, bfloat16 or float16).
+// fixed_order_attention's checks accept (query float32, bfloat16 or float16; caches those or
+// float8 e4m3fn).
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& token_rows, const at::Tensor& token_lens, double scale);

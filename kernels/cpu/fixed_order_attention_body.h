@@ -167,11 +167,19 @@ static inline void store_scores(float* w, v16 scores, int64_t n) {
     __builtin_memcpy(w, &scores, n * sizeof(float));
 }
 
-#if !SF_F16C  // (F16C builds convert float16 in registers: before this file's inclusion)
-static inline void split_pairs(const Fp16* in, v16& even, v16& odd) {
+#if !SF_F16C  // (F16C builds convert float16 and float8 in registers: before this file's inclusion)
+template <typename CacheT>
+static inline void split_widened(const CacheT* in, v16& even, v16& odd) {
   float widened[32];
   for (int d = 0; d < 32; ++d) widened[d] = to_float(in[d]);
   split_pairs(widened, even, odd);
+}
+static inline void split_pairs(const Fp16* in, v16& even, v16& odd) { split_widened(in, even, odd); }
+static inline void split_pairs(const Fp8* in, v16& even, v16& odd) { split_widened(in, even, odd); }
+static inline void split_pairs_256th(const Fp8* in, v16& even, v16& odd) {
+  split_widened(in, even, odd);
+  even = even * (1.0f / 256);  // exact
+  odd = odd * (1.0f / 256);
 }
 #endif
 
@@ -335,11 +343,23 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
     split_pairs(row, c[0], c[1]);
     split_pairs(row + 32, c[2], c[3]);
   };
+  // float8 keys are read / 256 (split_pairs_256th: two multiplies fewer a row) and the queries
+  // times 256: each product, so each score, is the same number and the same bits
+  constexpr bool keys_256th = std::is_same_v<CacheT, Fp8>;
+  auto key_chunks = [&](const CacheT* row, v16* c) {
+    if constexpr (keys_256th) {
+      split_pairs_256th(row, c[0], c[1]);
+      split_pairs_256th(row + 32, c[2], c[3]);
+    } else {
+      chunks(row, c);
+    }
+  };
   v16 q[HG][C];
   for (int h = 0; h < HG; ++h) {
     float widened[D];
     for (int64_t d = 0; d < D; ++d) widened[lane_of(d, D)] = to_float(query_rows[h][d]);
-    for (int c = 0; c < C; ++c) q[h][c] = load16(widened + c * kLanes);
+    for (int c = 0; c < C; ++c)
+      q[h][c] = keys_256th ? load16(widened + c * kLanes) * 256.0f : load16(widened + c * kLanes);
   }
   // the keys then the values of the context, as positions u = 0 .. 2 * length - 1
   auto touch = [&](int64_t u0, int64_t u1) {
@@ -359,7 +379,7 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
     v16 acc[HG][kBlock];
     for (int64_t i = 0; i < kBlock; ++i) {
       v16 k[C] = {};
-      if (i < n) chunks(row_of(keys, first, p0, i), k);
+      if (i < n) key_chunks(row_of(keys, first, p0, i), k);
       for (int h = 0; h < HG; ++h) {
         v16 sum = {};
         for (int c = 0; c < C; ++c) sum = fma16(q[h][c], k[c], sum);
@@ -578,7 +598,8 @@ static void buffer_items(const FixedOrderArgs& a, int64_t begin, int64_t end, in
 template <typename QueryT, typename CacheT>
 static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t end,
                               int64_t next) {
-  if (a.head_dim == 64 && (SF_F16C || !std::is_same<CacheT, Fp16>::value))
+  constexpr bool widened_by_f16c = std::is_same_v<CacheT, Fp16> || std::is_same_v<CacheT, Fp8>;
+  if (a.head_dim == 64 && (SF_F16C || !widened_by_f16c))
     register_items<QueryT, CacheT>(a, begin, end, next);
   else
     buffer_items<QueryT, CacheT>(a, begin, end, next);
@@ -586,18 +607,21 @@ static void fixed_order_items(const FixedOrderArgs& a, int64_t begin, int64_t en
 
 static void fixed_order_run(const FixedOrderArgs& a, int64_t begin, int64_t end, int64_t next) {
   switch (a.kinds) {
-#define SF_CASE(Q, C, QT, CT) \
-  case (Q) * 3 + (C):         \
+#define SF_CASE(Q, C, QT, CT)                            \
+  case (Q) * splitfuse_fixed_order::kCacheKinds + (C): \
     return fixed_order_items<QT, CT>(a, begin, end, next);
     SF_CASE(0, 0, float, float)
     SF_CASE(0, 1, float, Bf16)
     SF_CASE(0, 2, float, Fp16)
+    SF_CASE(0, 3, float, Fp8)
     SF_CASE(1, 0, Bf16, float)
     SF_CASE(1, 1, Bf16, Bf16)
     SF_CASE(1, 2, Bf16, Fp16)
+    SF_CASE(1, 3, Bf16, Fp8)
     SF_CASE(2, 0, Fp16, float)
     SF_CASE(2, 1, Fp16, Bf16)
     SF_CASE(2, 2, Fp16, Fp16)
+    SF_CASE(2, 3, Fp16, Fp8)
 #undef SF_CASE
   }
 }

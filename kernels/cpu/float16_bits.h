@@ -1,4 +1,5 @@
-// float16 and bfloat16 bits to float, exactly: shared by the C++ operators of kernels/cpu/.
+// float16, bfloat16 and float8 (e4m3fn) bits to float, exactly: shared by the C++ operators of
+// kernels/cpu/.
 #pragma once
 
 #include <cstdint>
@@ -35,5 +36,19 @@ inline float half_to_float(uint16_t h) {
   float value;
   __builtin_memcpy(&value, &bits, sizeof value);
   return value;
+}
+
+// A float8 e4m3fn (its bits: sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities)
+// as the float16 bits of its value / 256: the exponent and mantissa bits moved into float16's
+// places (whose bias is 15), subnormals included. Its one NaN (S.1111.111, which no finite
+// value rounds to) reads as +-480 here: a NaN K/V comes from a NaN hidden state, which stays NaN
+// whatever attention adds to it. The vector builds of the attention do the same per lane.
+inline uint16_t float8_e4m3fn_to_half_256th(uint8_t b) {
+  return static_cast<uint16_t>((b & 0x80) << 8 | (b & 0x7F) << 7);
+}
+
+// A float8 e4m3fn (its bits) as a float: exact (NaN as +-480: float8_e4m3fn_to_half_256th).
+inline float float8_e4m3fn_to_float(uint8_t b) {
+  return half_to_float(float8_e4m3fn_to_half_256th(b)) * 256.0f;
 }
 }  // namespace

@@ -29,8 +29,12 @@
 
 #include "fixed_order_attention.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -66,8 +70,10 @@ void check_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor
                 const at::Tensor& context_lens) {
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
-  TORCH_CHECK(key_cache.device().is_cpu() && is_attention_dtype(key_cache.scalar_type()), kOp,
-              ": kv_cache must be a float32, bfloat16 or float16 CPU tensor");
+  TORCH_CHECK(key_cache.device().is_cpu() &&
+                  (is_attention_dtype(key_cache.scalar_type()) ||
+                   key_cache.scalar_type() == at::kFloat8_e4m3fn),
+              kOp, ": kv_cache must be a float32, bfloat16, float16 or float8_e4m3fn CPU tensor");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
                   query.device().is_cpu() && is_attention_dtype(query.scalar_type()),
               kOp, ": query must be a float32, bfloat16 or float16 CPU tensor [num_tokens, "
@@ -120,6 +126,57 @@ at::Tensor gather_context(const at::Tensor& slot_rows, const int32_t* table, int
   for (int64_t p = 0; p < context_len; ++p)
     slot[p] = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
   return slot_rows.index_select(0, slots).permute({1, 0, 2}).unsqueeze(0);
+}
+
+// The 256 float8 e4m3fn values as T (float, at::BFloat16 or at::Half: each holds them exactly),
+// NaN as NaN: torch's conversion, made once.
+template <typename T>
+const std::array<T, 256>& float8_values() {
+  static const std::array<T, 256> values = [] {
+    std::array<T, 256> out;
+    for (int b = 0; b < 256; ++b) {
+      c10::Float8_e4m3fn v;
+      v.x = static_cast<uint8_t>(b);
+      out[b] = static_cast<T>(static_cast<float>(v));
+    }
+    return out;
+  }();
+  return values;
+}
+
+template <typename T>
+void widen_rows(const uint8_t* cache, const int64_t* slot, int64_t row_size, int64_t begin,
+                int64_t end, T* out) {
+  const std::array<T, 256>& values = float8_values<T>();
+  for (int64_t p = begin; p < end; ++p) {
+    const uint8_t* in = cache + slot[p] * row_size;
+    T* row = out + p * row_size;
+    for (int64_t i = 0; i < row_size; ++i) row[i] = values[in[i]];
+  }
+}
+
+// gather_context from a float8 e4m3fn cache [num_slots, num_kv_heads, head_dim], widened to
+// `dtype` on the way (by a table: torch's conversion of a float8 tensor takes ~2.4 ns a value
+// on these CPUs, which a prompt chunk's context pays each layer)
+at::Tensor gather_float8_context(const at::Tensor& slot_rows, const int32_t* table,
+                                 int64_t block_size, int64_t context_len, at::ScalarType dtype) {
+  const int64_t num_kv_heads = slot_rows.size(1), head_dim = slot_rows.size(2);
+  const int64_t row_size = num_kv_heads * head_dim;
+  std::vector<int64_t> slots(context_len);
+  for (int64_t p = 0; p < context_len; ++p)
+    slots[p] = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+  at::Tensor out = at::empty({context_len, num_kv_heads, head_dim}, slot_rows.options().dtype(dtype));
+  const auto* cache = reinterpret_cast<const uint8_t*>(slot_rows.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, 32768 / row_size);
+  at::parallel_for(0, context_len, grain, [&](int64_t begin, int64_t end) {
+    if (dtype == at::kFloat)
+      widen_rows(cache, slots.data(), row_size, begin, end, out.data_ptr<float>());
+    else if (dtype == at::kBFloat16)
+      widen_rows(cache, slots.data(), row_size, begin, end, out.data_ptr<at::BFloat16>());
+    else
+      widen_rows(cache, slots.data(), row_size, begin, end, out.data_ptr<at::Half>());
+  });
+  return out.permute({1, 0, 2}).unsqueeze(0);
 }
 
 // Row tokens `first` .. `first + q_len - 1` of a prompt chunk over its gathered context, written
@@ -206,12 +263,19 @@ at::Tensor store_and_attend_step(const at::Tensor& query, const at::Tensor& key,
   const at::Tensor key_rows = key_cache.view({-1, num_kv_heads, head_dim});
   const at::Tensor value_rows = value_cache.view({-1, num_kv_heads, head_dim});
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const bool float8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const at::ScalarType dtype = query.scalar_type();
   for (const int64_t r : prompt_rows) {
     const int32_t* table = tables + r * max_blocks;
-    const at::Tensor keys = gather_context(key_rows, table, block_size, ctx_lens[r]);
-    const at::Tensor values = gather_context(value_rows, table, block_size, ctx_lens[r]);
-    attend_prompt(query, keys.to(query.scalar_type()), values.to(query.scalar_type()), starts[r],
-                  starts[r + 1] - starts[r], scale, out);
+    at::Tensor keys, values;
+    if (float8) {
+      keys = gather_float8_context(key_rows, table, block_size, ctx_lens[r], dtype);
+      values = gather_float8_context(value_rows, table, block_size, ctx_lens[r], dtype);
+    } else {
+      keys = gather_context(key_rows, table, block_size, ctx_lens[r]).to(dtype);
+      values = gather_context(value_rows, table, block_size, ctx_lens[r]).to(dtype);
+    }
+    attend_prompt(query, keys, values, starts[r], starts[r + 1] - starts[r], scale, out);
   }
   return out;
 }

@@ -85,6 +85,8 @@ def _attend(query, key_cache, value_cache, tables, rows, lens, scale):
         (torch.bfloat16, torch.bfloat16),
         (torch.float16, torch.float16),
         (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float8_e4m3fn),
+        (torch.bfloat16, torch.float8_e4m3fn),
     ],
 )
 @pytest.mark.parametrize("heads,head_dim", [((4, 4), 16), ((9, 3), 64), ((8, 2), 40)])
@@ -177,6 +179,27 @@ def test_float16_caches_widen_exactly(head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [64, 40])
+def test_float8_caches_widen_exactly(head_dim):
+    """Every float8 e4m3fn value (subnormals, +-448, signed zeros: all 254 finite bytes) in a
+    float8 cache gives the bits of the same numbers in a float32 one: read / 256 and times 256
+    again, and as keys / 256 against queries times 256 in the path of 64-dim heads."""
+    query, keys, values, tables, rows, lens = _case(
+        [1, 1, 4, 1], [40, 70, 33, 128], 9, 3, head_dim, 16, torch.float32, torch.float8_e4m3fn, 14
+    )
+    generator = torch.Generator().manual_seed(15)
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    for t in (keys, values):
+        picks = torch.randint(len(finite), t.shape, generator=generator)
+        t.view(torch.uint8).copy_(finite[picks])
+    scale = 0.125 / 64  # scores of keys up to 448 within exp's range
+    want = _attend(query, keys.float(), values.float(), tables, rows, lens, scale)
+    got = _attend(query, keys, values, tables, rows, lens, scale)
+    assert torch.equal(got, want)
+    for t in (keys, values):  # every value was there
+        assert torch.unique(t.view(torch.uint8)).numel() == len(finite)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
 def test_the_block_size_does_not_change_the_bits(head_dim):
     """The same contexts paged in blocks of 5, 8, 16 and 48 positions give the same bits: blocks
     of a multiple of 16 positions find 16 positions' rows from one division, the others each
@@ -227,10 +250,11 @@ import sys, torch
 from kernels.cpu_ops import load
 from tests.kernels.test_fixed_order_attention import _attend, _case
 load()
-bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+bf16, f16, f32, f8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
 results = []
 for dtype, cache_dtype, head_dim in [
-    (bf16, bf16, 64), (f32, f32, 64), (f32, bf16, 64), (f16, f16, 64), (f32, f32, 80)
+    (bf16, bf16, 64), (f32, f32, 64), (f32, bf16, 64), (f16, f16, 64), (f32, f32, 80),
+    (f32, f8, 64), (bf16, f8, 64), (f32, f8, 40)
 ]:
     case = _case([1, 9, 1], [50, 30, 17], 9, 3, head_dim, 8, dtype, cache_dtype, 5)
     results.append(_attend(*case, 0.125))

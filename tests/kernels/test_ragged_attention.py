@@ -119,6 +119,26 @@ def test_a_whole_prompt_attends_as_the_python_path_decides(dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", BATCHES)
+def test_a_float8_cache_gives_the_bits_of_its_values_in_the_querys_dtype(name, dtype):
+    """A float8 e4m3fn cache (``kv_cache_dtype="fp8"``) against a cache in the query's dtype
+    holding the same numbers: the same stored bytes (K/V rounded as torch rounds them) and the
+    same result, prompt chunks (their contexts widened by a table) and decodes (the fixed-order
+    kernel reads float8 in registers) alike."""
+    step = _step(BATCHES[name], 9, 3, 64, dtype, seed=21, unstored=[UNSTORED[name]])
+    batch, query, key, value, kv_cache, slots = step
+    f8 = torch.float8_e4m3fn
+    # numbers float8 holds (NaN in the slots of no context stays NaN)
+    kv_cache.copy_(kv_cache.to(f8).to(dtype))
+    key, value = key.to(f8).to(dtype), value.to(f8).to(dtype)
+    float8_cache = kv_cache.to(f8)
+    want = _store_and_attend_step(batch, query, key, value, kv_cache, slots)
+    got = _store_and_attend_step(batch, query, key.to(f8), value.to(f8), float8_cache, slots)
+    assert torch.equal(got, want)
+    _assert_same_cache(float8_cache.to(dtype), kv_cache)
+
+
 def _decode_tokens(batch):
     """[(token, row, context_len)] of the batch's decode rows."""
     starts = batch.query_start.tolist()

@@ -245,6 +245,8 @@ MIXED_DTYPES = [
     (torch.float32, torch.bfloat16),
     (torch.float32, torch.float16),
     (torch.bfloat16, torch.float32),
+    (torch.float32, torch.float8_e4m3fn),
+    (torch.bfloat16, torch.float8_e4m3fn),
 ]
 
 

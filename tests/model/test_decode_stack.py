@@ -22,6 +22,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.decode_stack import MAX_TOKENS, unsupported
+from engine.device import KV_CACHE_DTYPES
 from engine.input_builder import build_decode_steps, build_model_input
 from engine.llm_engine import LLMEngine
 from kernels.cpu_ops import has_blocked_linear, has_fixed_order_attention
@@ -76,6 +77,7 @@ WEIGHTS = {  # (dtype, quantization, the KV cache's dtype)
     # (auto's cache for float32 activations and quantized weights)
     "int4 float32, float16 cache": ("float32", INT4, "float16"),
     "int4 bfloat16": ("bfloat16", INT4, "bfloat16"),
+    "int4 bfloat16, fp8 cache": ("bfloat16", INT4, "fp8"),
     "bfloat16 blocked": ("bfloat16", "none", "bfloat16"),
 }
 
@@ -93,7 +95,7 @@ def test_decode_steps_match_the_model_forward(tiny_llama_dir, weights, num_rows,
         engine = int4_engine(
             tiny_llama_dir, dtype, quantization=quantization, kv_cache_dtype=cache_dtype
         )
-        assert engine.runner.kv_cache.dtype == getattr(torch, cache_dtype)
+        assert engine.runner.kv_cache.dtype == KV_CACHE_DTYPES[cache_dtype]
         runner = engine.runner
         stack = runner.decode_stack
         if stack is None and quantization == "none":
@@ -115,6 +117,12 @@ def test_decode_steps_match_the_model_forward(tiny_llama_dir, weights, num_rows,
     if dtype == cache_dtype == "float32":
         torch.testing.assert_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    elif cache_dtype == "fp8":  # K/V a float8 step apart where a bfloat16 step crosses a
+        # rounding boundary (2^-3 relative, 2^-9 among the subnormals)
+        step = want_cache.float().abs() * 2**-3 + 2**-9
+        assert ((got_cache.float() - want_cache.float()).abs() <= step).all()
+        rms = ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item()
+        assert rms < 0.03, f"relative RMS {rms:.3f}"
     elif dtype == "float32":  # a 16-bit cache: K/V a step apart where float32 noise (1e-5,
         # the float32 bound above) crosses a rounding boundary; the logits see float32 noise
         # and those steps (measured: relative RMS ~2e-7)

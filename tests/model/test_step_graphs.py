@@ -243,17 +243,21 @@ def _one_token_graph_calls(engine: LLMEngine) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_one_token_steps_take_the_plan_as_tensors(tiny_llama_dir, monkeypatch, dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"), [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "fp8")]
+)
+def test_one_token_steps_take_the_plan_as_tensors(
+    tiny_llama_dir, monkeypatch, dtype, kv_cache_dtype
+) -> None:
     """A one-token step's graph takes the plan as tensors and calls the C++ attention itself;
     it runs under inductor's C++ wrapper unless a product needs oneDNN's packed weight (an
     opaque object that wrapper cannot pass: float32 here), and its logits are the eager
-    forward's."""
+    forward's (a float8 cache too: the graph rounds K/V to it as the eager forward does)."""
     from kernels.cpu_ops import has_fixed_order_attention
 
     if not has_fixed_order_attention():
         pytest.skip("the C++ operators are not built here")
-    engine = _engine(tiny_llama_dir, dtype=dtype, compile=True)
+    engine = _engine(tiny_llama_dir, dtype=dtype, compile=True, kv_cache_dtype=kv_cache_dtype)
     needs_python = step_graphs.python_wrapper_needed(engine.runner.model.model)
     assert ("weight packed for oneDNN" in needs_python) == (dtype == "float32")
     calls = _one_token_graph_calls(engine)

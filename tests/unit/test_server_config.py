@@ -95,6 +95,8 @@ def test_cli_flags_map_to_fields() -> None:
     config = load_config(flags=flags, environ={})
     assert config.engine.model == "/m"
     assert config.engine.kv_cache_dtype == "float16"
+    fp8 = load_config(flags=_parse(["/m", "--kv-cache-dtype", "fp8"]), environ={})
+    assert fp8.engine.kv_cache_dtype == "fp8"
     assert config.api_key == ("a", "b")
     assert config.max_body_bytes == 1024 * 1024
     assert config.drain_timeout == 2.5
