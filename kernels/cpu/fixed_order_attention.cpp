@@ -67,10 +67,6 @@ template <>
 inline Fp16 from_float<Fp16>(float v) {
   return Fp16{c10::Half(v).x};
 }
-template <>
-inline Fp8 from_float<Fp8>(float v) {  // to nearest even, beyond +-448 to +-448 (torch's)
-  return Fp8{c10::Float8_e4m3fn(v).x};
-}
 
 constexpr int kLanes = 16;
 constexpr int64_t kBlock = 16;  // positions whose values are widened at once

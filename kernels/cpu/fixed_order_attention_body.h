@@ -343,11 +343,13 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
     split_pairs(row, c[0], c[1]);
     split_pairs(row + 32, c[2], c[3]);
   };
-  // float8 keys are read / 256 (split_pairs_256th: two multiplies fewer a row) and the queries
-  // times 256: each product, so each score, is the same number and the same bits
-  constexpr bool keys_256th = std::is_same_v<CacheT, Fp8>;
-  auto key_chunks = [&](const CacheT* row, v16* c) {
-    if constexpr (keys_256th) {
+  // float8 rows are read / 256 (split_pairs_256th: four multiplies fewer a row), keys against
+  // queries times 256 and values against weights times 256 (scalings by a power of two: exact):
+  // each product is the same number, so each fused multiply-add rounds alike and gives the same
+  // bits
+  constexpr bool read_256th = std::is_same_v<CacheT, Fp8>;
+  auto chunks_256th = [&](const CacheT* row, v16* c) {
+    if constexpr (read_256th) {
       split_pairs_256th(row, c[0], c[1]);
       split_pairs_256th(row + 32, c[2], c[3]);
     } else {
@@ -359,7 +361,7 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
     float widened[D];
     for (int64_t d = 0; d < D; ++d) widened[lane_of(d, D)] = to_float(query_rows[h][d]);
     for (int c = 0; c < C; ++c)
-      q[h][c] = keys_256th ? load16(widened + c * kLanes) * 256.0f : load16(widened + c * kLanes);
+      q[h][c] = read_256th ? load16(widened + c * kLanes) * 256.0f : load16(widened + c * kLanes);
   }
   // the keys then the values of the context, as positions u = 0 .. 2 * length - 1
   auto touch = [&](int64_t u0, int64_t u1) {
@@ -379,7 +381,7 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
     v16 acc[HG][kBlock];
     for (int64_t i = 0; i < kBlock; ++i) {
       v16 k[C] = {};
-      if (i < n) key_chunks(row_of(keys, first, p0, i), k);
+      if (i < n) chunks_256th(row_of(keys, first, p0, i), k);
       for (int h = 0; h < HG; ++h) {
         v16 sum = {};
         for (int c = 0; c < C; ++c) sum = fma16(q[h][c], k[c], sum);
@@ -401,9 +403,10 @@ static void attend_heads64(const FixedOrderArgs& a, const CacheT* keys, const Ca
     const CacheT* first = whole ? row_at(values, a, table, kv, p0) : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       v16 v[C];
-      chunks(row_of(values, first, p0, i), v);
+      chunks_256th(row_of(values, first, p0, i), v);
       for (int h = 0; h < HG; ++h) {
-        const v16 weight = splat16(weights[h * length + p0 + i]);
+        const float w = weights[h * length + p0 + i];
+        const v16 weight = splat16(read_256th ? w * 256.0f : w);
         for (int c = 0; c < C; ++c) out[h][c] = fma16(weight, v[c], out[h][c]);
       }
     }
