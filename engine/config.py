@@ -127,15 +127,15 @@ class EngineConfig(BaseModel):
     model: str = Field(DEFAULT_MODEL, description="model folder, or the name of a prepared model")
     tokenizer: str | None = Field(None, description="tokenizer folder (default: the model's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    kv_cache_dtype: Literal[
-        "auto", "float32", "bfloat16", "float16", "fp8", "float8_e4m3fn"
-    ] = Field(
-        "auto",
-        description="the KV cache's dtype. auto: the model's dtype, but float16 on a CPU where "
-        "activations are float32 and the weights quantized (decode attention reads half the "
-        "bytes; see the README's Quantization). fp8 (float8_e4m3fn): one byte a value, no "
-        "scale, K/V beyond +-448 stored as +-448. Another dtype than the model's needs the "
-        "torch attention backend",
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "float8_e4m3fn"] = (
+        Field(
+            "auto",
+            description="the KV cache's dtype. auto: the model's dtype, but float16 on a CPU where "
+            "activations are float32 and the weights quantized (decode attention reads half the "
+            "bytes; see the README's Quantization). fp8 (float8_e4m3fn): one byte a value, no "
+            "scale, K/V beyond +-448 stored as +-448. Another dtype than the model's needs the "
+            "torch attention backend",
+        )
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_tokens: int = Field(

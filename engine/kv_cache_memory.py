@@ -17,10 +17,13 @@ need 512 times fewer address translations for them. See ``_ask_for_huge_pages`` 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 * 2**20
 
@@ -186,3 +189,42 @@ def _ask_for_huge_pages(cache: torch.Tensor) -> None:
 
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.0f} MiB"
+
+
+# float8 e4m3fn's largest magnitude (448) in its bytes' low seven bits; a larger K/V is stored
+# as it (torch's conversion saturates)
+FLOAT8_TOP = 0x7E
+# how many of the first stored tokens Float8RangeWatch looks at
+FLOAT8_WATCH_TOKENS = 4096
+
+
+class Float8RangeWatch:
+    """A float8 e4m3fn KV cache holds K/V up to +-448 and stores anything larger as +-448,
+    without notice. This looks at the bytes of the first ``FLOAT8_WATCH_TOKENS`` tokens a cache
+    stores (a gather of their rows after their step: a few MiB at most, a few steps in all) and
+    logs one warning naming the layers whose K or V reached +-448, which a model needs a 16-bit
+    cache for. A cache of another dtype is never looked at."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.left = FLOAT8_WATCH_TOKENS if kv_cache.dtype == torch.float8_e4m3fn else 0
+        self.layers: list[int] = []  # where the largest value showed (set when it warns)
+
+    def check(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """After a step that stored its tokens at ``slot_mapping`` (-1: not stored)."""
+        if self.left <= 0:
+            return
+        slots = slot_mapping[slot_mapping >= 0][: self.left]
+        self.left -= slots.numel()
+        num_layers = kv_cache.shape[0]
+        rows = kv_cache.view(torch.uint8).view(num_layers, 2, -1, kv_cache[0, 0, 0, 0].numel())
+        top = (rows.index_select(2, slots) & 0x7F) == FLOAT8_TOP
+        layers = top.flatten(1).any(1).nonzero().flatten().tolist()
+        if layers:
+            self.left = 0
+            self.layers = layers
+            logger.warning(
+                "the float8 KV cache stored K/V of layer(s) %s at +-448, its largest value "
+                "(larger ones are stored as +-448 too): this model's results suffer; serve it "
+                "with a 16-bit cache (kv_cache_dtype auto, bfloat16 or float16)",
+                ", ".join(map(str, layers)),
+            )

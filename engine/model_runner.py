@@ -28,6 +28,7 @@ from engine.input_builder import (
     pad_to_two_tokens,
 )
 from engine.kv_cache_memory import (
+    Float8RangeWatch,
     allocate_kv_cache,
     bytes_per_block,
     num_blocks_for_budget,
@@ -149,6 +150,7 @@ class ModelRunner:
             kv_cache_dtype,
             device,
         )  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], memory committed
+        self.float8_watch = Float8RangeWatch(self.kv_cache)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB, committed in %.1f s)",
             num_kv_blocks,
@@ -344,7 +346,14 @@ class ModelRunner:
         (a decode step there replays a graph: ``DecodeGraphs.replay``); on a CPU a decode step
         the decode stack takes runs there (leaving its rows' argmax in ``greedy_ids`` where it
         gives one); any other step plans its attention (checks, indices) on the device, then runs
-        the model as ``self.graphs`` decides."""
+        the model as ``self.graphs`` decides. A float8 cache's first tokens are then looked at
+        (``Float8RangeWatch``)."""
+        logits = self._run(inputs)
+        if self.float8_watch.left > 0:
+            self.float8_watch.check(self.kv_cache, inputs.metadata.slot_mapping)
+        return logits
+
+    def _run(self, inputs: ModelInput) -> torch.Tensor:
         self.greedy_ids = None
         with self._timed("forward"):
             if self.pad_single_token and inputs.num_tokens == 1 and self.graphs.mode == COMPILED:

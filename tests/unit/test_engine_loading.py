@@ -226,6 +226,40 @@ def test_the_engine_allocates_its_cache_in_the_kv_cache_dtype(tiny_llama_dir, ca
     assert len(tokens["float8_e4m3fn"]) == 6
 
 
+def test_a_float8_cache_warns_where_k_or_v_reach_its_largest_value(tiny_llama_dir, caplog):
+    """A float8 cache stores K/V beyond +-448 as +-448: the engine looks at its first tokens'
+    bytes and warns once, naming the layers, where a model's K/V got there (layer 1's input
+    norm scaled up here); a model well inside the range logs nothing, and a 16-bit cache is
+    never looked at."""
+    caplog.set_level(logging.WARNING, logger="engine.kv_cache_memory")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    def serve(engine: LLMEngine) -> None:
+        engine.add_request("r", list(range(3, 40)), params)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    def engine_with(cache_dtype: str) -> LLMEngine:
+        return LLMEngine(
+            EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_dtype=cache_dtype,
+                         num_kv_blocks=16)
+        )  # fmt: skip
+
+    plain = engine_with("fp8")
+    serve(plain)
+    assert plain.runner.float8_watch.layers == [] and "float8 KV cache" not in caplog.text
+    assert plain.runner.float8_watch.left == kv_memory.FLOAT8_WATCH_TOKENS - 39  # 37 + 2 decoded
+    assert engine_with("bfloat16").runner.float8_watch.left == 0
+
+    loud = engine_with("fp8")
+    with torch.no_grad():
+        loud.runner.model.model.layers[1].input_layernorm.weight.mul_(1e4)
+    serve(loud)
+    assert loud.runner.float8_watch.layers == [1]
+    assert loud.runner.float8_watch.left == 0
+    assert caplog.text.count("float8 KV cache stored K/V of layer(s) 1 at +-448") == 1
+
+
 def test_the_kv_cache_dtype_follows_the_weights_under_auto(tiny_llama_dir) -> None:
     quantized = LLMEngine(
         EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=8,
