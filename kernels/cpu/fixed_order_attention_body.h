@@ -167,15 +167,20 @@ static inline void store_scores(float* w, v16 scores, int64_t n) {
     __builtin_memcpy(w, &scores, n * sizeof(float));
 }
 
-#if !SF_F16C  // (F16C builds convert float16 and float8 in registers: before this file's inclusion)
+// (F16C builds convert float16 and float8 in registers: before this file's inclusion)
+#if !SF_F16C
 template <typename CacheT>
 static inline void split_widened(const CacheT* in, v16& even, v16& odd) {
   float widened[32];
   for (int d = 0; d < 32; ++d) widened[d] = to_float(in[d]);
   split_pairs(widened, even, odd);
 }
-static inline void split_pairs(const Fp16* in, v16& even, v16& odd) { split_widened(in, even, odd); }
-static inline void split_pairs(const Fp8* in, v16& even, v16& odd) { split_widened(in, even, odd); }
+static inline void split_pairs(const Fp16* in, v16& even, v16& odd) {
+  split_widened(in, even, odd);
+}
+static inline void split_pairs(const Fp8* in, v16& even, v16& odd) {
+  split_widened(in, even, odd);
+}
 static inline void split_pairs_256th(const Fp8* in, v16& even, v16& odd) {
   split_widened(in, even, odd);
   even = even * (1.0f / 256);  // exact

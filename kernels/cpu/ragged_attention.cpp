@@ -24,17 +24,15 @@
 // read K/V converted to the query's dtype where the cache's differs).
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include "fixed_order_attention.h"
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -165,7 +163,8 @@ at::Tensor gather_float8_context(const at::Tensor& slot_rows, const int32_t* tab
   std::vector<int64_t> slots(context_len);
   for (int64_t p = 0; p < context_len; ++p)
     slots[p] = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-  at::Tensor out = at::empty({context_len, num_kv_heads, head_dim}, slot_rows.options().dtype(dtype));
+  at::Tensor out =
+      at::empty({context_len, num_kv_heads, head_dim}, slot_rows.options().dtype(dtype));
   const auto* cache = reinterpret_cast<const uint8_t*>(slot_rows.data_ptr());
   const int64_t grain = std::max<int64_t>(1, 32768 / row_size);
   at::parallel_for(0, context_len, grain, [&](int64_t begin, int64_t end) {
