@@ -114,15 +114,20 @@ void check_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   }
 }
 
-// A row's context positions 0 .. context_len - 1, gathered through its block table from a cache
-// seen as [num_slots, num_kv_heads, head_dim]: [1, num_kv_heads, context_len, head_dim] (a
-// permuted view of the gathered [context_len, num_kv_heads, head_dim]).
-at::Tensor gather_context(const at::Tensor& slot_rows, const int32_t* table, int64_t block_size,
-                          int64_t context_len) {
+// The cache slots of a row's context positions 0 .. context_len - 1, through its block table:
+// int64 [context_len] (one for the row's keys and values).
+at::Tensor context_slots(const int32_t* table, int64_t block_size, int64_t context_len) {
   at::Tensor slots = at::empty({context_len}, at::kLong);
   int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t p = 0; p < context_len; ++p)
     slot[p] = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+  return slots;
+}
+
+// A row's context (its `slots`) gathered from a cache seen as [num_slots, num_kv_heads,
+// head_dim]: [1, num_kv_heads, context_len, head_dim] (a permuted view of the gathered
+// [context_len, num_kv_heads, head_dim]).
+at::Tensor gather_context(const at::Tensor& slot_rows, const at::Tensor& slots) {
   return slot_rows.index_select(0, slots).permute({1, 0, 2}).unsqueeze(0);
 }
 
@@ -156,24 +161,22 @@ void widen_rows(const uint8_t* cache, const int64_t* slot, int64_t row_size, int
 // gather_context from a float8 e4m3fn cache [num_slots, num_kv_heads, head_dim], widened to
 // `dtype` on the way (by a table: torch's conversion of a float8 tensor takes ~2.4 ns a value
 // on these CPUs, which a prompt chunk's context pays each layer)
-at::Tensor gather_float8_context(const at::Tensor& slot_rows, const int32_t* table,
-                                 int64_t block_size, int64_t context_len, at::ScalarType dtype) {
+at::Tensor gather_float8_context(const at::Tensor& slot_rows, const at::Tensor& slots,
+                                 at::ScalarType dtype) {
   const int64_t num_kv_heads = slot_rows.size(1), head_dim = slot_rows.size(2);
-  const int64_t row_size = num_kv_heads * head_dim;
-  std::vector<int64_t> slots(context_len);
-  for (int64_t p = 0; p < context_len; ++p)
-    slots[p] = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+  const int64_t row_size = num_kv_heads * head_dim, context_len = slots.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
   at::Tensor out =
       at::empty({context_len, num_kv_heads, head_dim}, slot_rows.options().dtype(dtype));
   const auto* cache = reinterpret_cast<const uint8_t*>(slot_rows.data_ptr());
   const int64_t grain = std::max<int64_t>(1, 32768 / row_size);
   at::parallel_for(0, context_len, grain, [&](int64_t begin, int64_t end) {
     if (dtype == at::kFloat)
-      widen_rows(cache, slots.data(), row_size, begin, end, out.data_ptr<float>());
+      widen_rows(cache, slot, row_size, begin, end, out.data_ptr<float>());
     else if (dtype == at::kBFloat16)
-      widen_rows(cache, slots.data(), row_size, begin, end, out.data_ptr<at::BFloat16>());
+      widen_rows(cache, slot, row_size, begin, end, out.data_ptr<at::BFloat16>());
     else
-      widen_rows(cache, slots.data(), row_size, begin, end, out.data_ptr<at::Half>());
+      widen_rows(cache, slot, row_size, begin, end, out.data_ptr<at::Half>());
   });
   return out.permute({1, 0, 2}).unsqueeze(0);
 }
@@ -265,14 +268,14 @@ at::Tensor store_and_attend_step(const at::Tensor& query, const at::Tensor& key,
   const bool float8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
   const at::ScalarType dtype = query.scalar_type();
   for (const int64_t r : prompt_rows) {
-    const int32_t* table = tables + r * max_blocks;
+    const at::Tensor slots = context_slots(tables + r * max_blocks, block_size, ctx_lens[r]);
     at::Tensor keys, values;
     if (float8) {
-      keys = gather_float8_context(key_rows, table, block_size, ctx_lens[r], dtype);
-      values = gather_float8_context(value_rows, table, block_size, ctx_lens[r], dtype);
+      keys = gather_float8_context(key_rows, slots, dtype);
+      values = gather_float8_context(value_rows, slots, dtype);
     } else {
-      keys = gather_context(key_rows, table, block_size, ctx_lens[r]).to(dtype);
-      values = gather_context(value_rows, table, block_size, ctx_lens[r]).to(dtype);
+      keys = gather_context(key_rows, slots).to(dtype);
+      values = gather_context(value_rows, slots).to(dtype);
     }
     attend_prompt(query, keys, values, starts[r], starts[r + 1] - starts[r], scale, out);
   }
