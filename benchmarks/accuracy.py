@@ -64,12 +64,15 @@ def evaluation_text() -> str:
 
 
 def perplexity(llm: LLM, token_ids: list[int]) -> float:
-    """exp(mean negative log-likelihood) of every token after the first, from one forward."""
+    """exp(mean negative log-likelihood) of every token after the first, from one forward of
+    them as a prompt."""
     engine = llm.engine
     block_size = engine.config.block_size
     table = tuple(range(-(-len(token_ids) // block_size)))
-    row = BatchRow("ppl", tuple(token_ids), 0, table, True)
-    inputs = build_model_input(ScheduledBatch(rows=(row,)), block_size, engine.runner.device)
+    row = BatchRow("ppl", tuple(token_ids), 0, table, True, len(token_ids))
+    inputs = build_model_input(
+        ScheduledBatch(rows=(row,)), block_size, engine.runner.device, engine.runner.prompt_tiles
+    )
     logits = engine.runner.run(
         dataclasses.replace(inputs, sample_rows=torch.arange(len(token_ids)))
     )

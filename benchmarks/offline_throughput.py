@@ -200,7 +200,9 @@ def profile_steps(args: argparse.Namespace, prompts: list[list[int]]) -> None:
             t0 = time.perf_counter()
             batch = scheduler.schedule()
             t1 = time.perf_counter()
-            inputs = build_model_input(batch, runner.block_size, runner.input_device())
+            inputs = build_model_input(
+                batch, runner.block_size, runner.input_device(), runner.prompt_tiles
+            )
             t2 = time.perf_counter()
             logits = runner.run(inputs)
             t3 = time.perf_counter()

@@ -14,6 +14,15 @@ Worked example, block_size 4, three rows (a decode, a middle prompt chunk, a who
     context_lens [6, 5, 2]
     block_tables [[3, 8], [6, 1], [2, 0]]     (padded with 0, never read past context_lens)
     sample_rows  [0, 5]                       (the last token of each sampling row)
+
+With ``prompt_tiles`` (a CPU that multiplies prompt tokens on AMX tiles: ``ModelRunner``) the
+tokens of each row before its ``prompt_end`` are prompt tokens and the others generated ones,
+and every generated token comes before every prompt token: a row of both kinds (a preempted
+request computing its prompt and its output again) becomes two rows of the step, its generated
+part among the rows before ``tile_from`` and its prompt part after it, each attending to the
+positions up to its own tokens (the K/V of the whole step are stored before any row attends).
+The sampling rows stay in the batch's row order. Where the batch is already in that order
+(decodes first, then prompt chunks, as the scheduler makes it) nothing moves.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ class ModelInput:
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampled] int64: token index of each sampling row's last token
+    # the first token of the step's prompt tokens, all after it prompt tokens too, which a CPU
+    # with AMX multiplies on tiles (``kernels.cpu_ops.int4_tile_rows``); None: none of them
+    tile_from: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -56,24 +68,25 @@ class ModelInput:
                 block_tables=move(metadata.block_tables),
             ),
             sample_rows=move(self.sample_rows),
+            tile_from=self.tile_from,
         )
 
 
 def build_model_input(
-    batch: ScheduledBatch, block_size: int, device: torch.device | str = "cpu"
+    batch: ScheduledBatch,
+    block_size: int,
+    device: torch.device | str = "cpu",
+    prompt_tiles: bool = False,
 ) -> ModelInput:
-    """Flattens ``batch`` into tensors on ``device``. Raises ValueError for an empty batch or a
-    row whose block table does not cover its tokens."""
+    """Flattens ``batch`` into tensors on ``device``; ``prompt_tiles``: generated tokens first,
+    then prompt tokens from ``tile_from`` on (module docstring). Raises ValueError for an empty
+    batch or a row whose block table does not cover its tokens."""
     if batch.is_empty:
         raise ValueError("cannot build inputs for an empty batch")
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    query_start = [0]
-    context_lens: list[int] = []
-    row_tables: list[tuple[int, ...]] = []
-    sample_rows: list[int] = []
-    for row in batch.rows:
+    # (row index, first token, end token) of each row of the step, in the step's order
+    generated: list[tuple[int, int, int]] = []
+    prompt: list[tuple[int, int, int]] = []
+    for index, row in enumerate(batch.rows):
         start, end = row.start_pos, row.context_len
         num_blocks = -(-end // block_size)
         if not row.token_ids or num_blocks > len(row.block_table):
@@ -81,8 +94,23 @@ def build_model_input(
                 f"row {row.request_id!r}: {row.num_tokens} tokens from position {start} need "
                 f"{num_blocks} blocks, its block table has {len(row.block_table)}"
             )
-        table = row.block_table[:num_blocks]
-        input_ids.extend(row.token_ids)
+        split = min(max(row.prompt_end - start, 0), row.num_tokens) if prompt_tiles else 0
+        if split:
+            prompt.append((index, 0, split))
+        if split < row.num_tokens:
+            generated.append((index, split, row.num_tokens))
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start = [0]
+    context_lens: list[int] = []
+    row_tables: list[tuple[int, ...]] = []
+    last_token = [-1] * batch.num_rows  # each row's last token in the step
+    for index, first, stop in generated + prompt:
+        row = batch.rows[index]
+        start, end = row.start_pos + first, row.start_pos + stop
+        table = row.block_table[: -(-end // block_size)]
+        input_ids.extend(row.token_ids[first:stop])
         positions.extend(range(start, end))
         slot_mapping.extend(
             table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)
@@ -90,8 +118,10 @@ def build_model_input(
         query_start.append(len(input_ids))
         context_lens.append(end)
         row_tables.append(table)
-        if row.sample:
-            sample_rows.append(len(input_ids) - 1)
+        if stop == row.num_tokens:
+            last_token[index] = len(input_ids) - 1
+    sample_rows = [last_token[i] for i, row in enumerate(batch.rows) if row.sample]
+    tile_from = query_start[len(generated)] if prompt else None
     max_blocks = max(len(table) for table in row_tables)
     padded_tables = [list(table) + [0] * (max_blocks - len(table)) for table in row_tables]
     max_query_len = max(b - a for a, b in zip(query_start[:-1], query_start[1:], strict=True))
@@ -111,6 +141,7 @@ def build_model_input(
             max_context_len=max(context_lens),
         ),
         sample_rows=tensor(sample_rows, torch.int64),
+        tile_from=tile_from,
     )
 
 

@@ -172,6 +172,7 @@ class LLMEngine:
             self.num_kv_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            generated_apart=self.runner.prompt_tiles,
         )
         # several decode steps per pass where the runner can take them (the decode stack)
         decode_rows = self.runner.max_decode_ahead_rows

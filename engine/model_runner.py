@@ -50,6 +50,7 @@ from engine.step_timings import Phase, StepTimings
 from engine.tensor_parallel.sharding import shard_heads
 from engine.weights import iterate_weights
 from kernels import AttentionMetadata, get_backend
+from kernels.cpu_ops import has_int4_tiles, int4_tile_rows
 from scheduler.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,18 @@ class ModelRunner:
                     # the LM head multiplies the sampled rows alone: one a row at most
                     sampled = isinstance(module, ParallelLMHead)
                     module.set_deterministic(max_decode_rows if sampled else max_step_tokens)
+        # a CPU with AMX multiplies the 4-bit products of prompt tokens on its tiles, those of
+        # generated tokens as before (``kernels.cpu_ops.int4_tile_rows``; deterministic mode
+        # splits products into tiles of rows of its own)
+        self.prompt_tiles = (
+            device.type == "cpu"
+            and not deterministic
+            and any(
+                isinstance(module, MatmulLayer) and module.int4_out_features
+                for module in self.model.modules()
+            )
+            and has_int4_tiles()
+        )
         # decode steps of a Llama stack with 4-bit or blocked bfloat16 weights on a CPU: one
         # C++ call (``engine/decode_stack.py``; None: the graphs run them)
         self.decode_stack = (
@@ -333,7 +346,9 @@ class ModelRunner:
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's logits for its sampling rows, float32 ``[num_sampled, vocab_size]``."""
-        return self.run(build_model_input(batch, self.block_size, self.input_device()))
+        return self.run(
+            build_model_input(batch, self.block_size, self.input_device(), self.prompt_tiles)
+        )
 
     def input_device(self) -> torch.device:
         """Where a step's flat inputs are built for ``run``: on the host once CUDA graphs are
@@ -346,8 +361,9 @@ class ModelRunner:
         (a decode step there replays a graph: ``DecodeGraphs.replay``); on a CPU a decode step
         the decode stack takes runs there (leaving its rows' argmax in ``greedy_ids`` where it
         gives one); any other step plans its attention (checks, indices) on the device, then runs
-        the model as ``self.graphs`` decides. A float8 cache's first tokens are then looked at
-        (``Float8RangeWatch``)."""
+        the model as ``self.graphs`` decides, its prompt tokens' 4-bit products on AMX tiles
+        where ``prompt_tiles`` (from ``inputs.tile_from``: the decode stack takes no such step).
+        A float8 cache's first tokens are then looked at (``Float8RangeWatch``)."""
         logits = self._run(inputs)
         if self.float8_watch.left > 0:
             self.float8_watch.check(self.kv_cache, inputs.metadata.slot_mapping)
@@ -364,7 +380,7 @@ class ModelRunner:
                 if logits is not None:
                     return logits
                 inputs = inputs.to(self.device)
-            if self.decode_stack is not None:
+            if self.decode_stack is not None and inputs.tile_from is None:
                 with torch.inference_mode():
                     stacked = self.decode_stack(
                         inputs.input_ids,
@@ -379,7 +395,7 @@ class ModelRunner:
             plan = self.backend.plan(
                 inputs.positions, inputs.metadata, self.kv_cache, self.max_position
             )
-            with torch.inference_mode():
+            with torch.inference_mode(), int4_tile_rows(inputs.tile_from):
                 return self.graphs(inputs.input_ids, inputs.positions, plan, inputs.sample_rows)
 
     def drop_requests(self, request_ids: list[str]) -> None:

@@ -383,6 +383,14 @@ def int4_linear_reference(x: torch.Tensor, weight: PackedInt4 | PackedInt8) -> t
     return product.float()
 
 
+def int4_tiles_reference(x: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
+    """What ``int4_linear`` computes for a step's prompt rows on a CPU with AMX tiles
+    (``kernels.cpu_ops.int4_tile_rows``), in float64: x rounded to bfloat16 times the dequantized
+    weight rounded to bfloat16. -> [M, N] float32."""
+    dequantized = weight.unpack().dequantize().bfloat16().double()
+    return F.linear(x.bfloat16().double(), dequantized).float()
+
+
 def quantize_model(
     model: torch.nn.Module,
     bits: int,

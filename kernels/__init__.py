@@ -4,8 +4,9 @@
 ``get_backend("triton")`` the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``), imported
 only when asked for. Both have the shape of ``AttentionBackend``: ``plan`` once per step (checks,
 indices; ``operator_step`` gives it as tensors alone where a graph can take it so), ``rope`` once
-per step, then per layer ``rms_norm``, ``rotary`` and ``attend`` (the K/V
-store and paged attention; ``store_kv`` and ``paged_attention`` are its two halves), and in
+per step, then per layer ``rms_norm``, ``rotary``, ``attend`` (the K/V
+store and paged attention; ``store_kv`` and ``paged_attention`` are its two halves) and
+``silu_mul`` (SwiGLU's activation), and in
 mixture-of-experts layers ``moe_experts`` (``kernels/torch_moe.py``).
 """
 
@@ -74,6 +75,8 @@ class AttentionBackend(Protocol):
         eps: float,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def moe_experts(
         self,

@@ -20,7 +20,9 @@ install`` builds them, later imports load the cached library):
   (greedy sampling, ``engine/sampler.py``; without a compiler the sampler calls torch's);
 - ``splitfuse_cpu.DecodeStack``, a class that runs a decode step of a Llama stack with 4-bit or
   blocked bfloat16 weights, every layer in one parallel region, with the kernels of the
-  operators above (``engine/decode_stack.py``).
+  operators above (``engine/decode_stack.py``), and its norm, rotary and SiLU as the operators
+  ``rms_norm_rows``, ``rotary_rows`` and ``silu_mul_rows``, which the model's forward calls on
+  CPUs (``kernels/torch_backend.py``), so that a decode token gets the same bits either way.
 
 ``quant_linear(x, qweight, scales, group_size)``: x [M, K] float32 or bfloat16 times an 8-bit
 weight [N, K] (layouts in ``engine/quantization.py``), dequantized and transposed -> [M, N] float32.
@@ -31,7 +33,10 @@ and multiplied in hardware.
 ``int4_linear(x, packed, scales, mins, out_features, group_size)``: x times a 4-bit weight packed
 as ``PackedInt4`` -> [M, N] float32; x is rounded to int8 in runs of 32 first
 (``quantize_activations``) and the 4-bit values multiply it in int32 sums
-(``int4_linear_reference`` is what it computes).
+(``int4_linear_reference`` is what it computes). On CPUs with AMX-BF16 (``has_int4_tiles``) a
+step's prompt tokens may go on AMX tiles instead, x and the weight's values rounded to bfloat16
+(``int4_tiles_reference``): ``int4_tile_rows(row)`` says from which row on, for the calls of the
+thread inside it.
 
 ``int8_linear(x, packed, scales, out_features, group_size)``: the same for an 8-bit weight
 packed as ``PackedInt8`` (the embedding and LM head of a model whose products run
@@ -52,12 +57,14 @@ checked before the cache is written.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -76,6 +83,7 @@ _SOURCES = (
     "ragged_attention.cpp",
     "blocked_linear.cpp",
     "int4_linear.cpp",
+    "int4_amx.cpp",
     "graph_call.cpp",
     "decode_stack.cpp",
     "greedy_argmax.cpp",
@@ -236,6 +244,18 @@ def load() -> str:
             def _fake_greedy_argmax(logits):  # type: ignore[no-untyped-def]
                 return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
+            @torch.library.register_fake("splitfuse_cpu::rms_norm_rows")
+            def _fake_rms_norm_rows(x, weight, eps, residual):  # type: ignore[no-untyped-def]
+                return x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else (0,))
+
+            @torch.library.register_fake("splitfuse_cpu::rotary_rows")
+            def _fake_rotary_rows(heads, cos, sin):  # type: ignore[no-untyped-def]
+                return heads.new_empty(heads.shape)
+
+            @torch.library.register_fake("splitfuse_cpu::silu_mul_rows")
+            def _fake_silu_mul_rows(gate_up):  # type: ignore[no-untyped-def]
+                return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
             @torch.library.register_fake("splitfuse_cpu::blocked_linear")
             def _fake_blocked_linear(x, weight, bias):  # type: ignore[no-untyped-def]
                 return x.new_empty((x.shape[0], weight.shape[0] * weight.shape[2]))
@@ -258,6 +278,28 @@ def attends_whole(dtype: torch.dtype) -> bool:
     if dtype not in (torch.bfloat16, torch.float16) or load() == "torch":
         return False
     return bool(torch.ops.splitfuse_cpu.attends_whole(dtype))
+
+
+def has_int4_tiles() -> bool:
+    """Whether ``int4_linear`` multiplies prompt rows on AMX tiles here (``int4_tile_rows``):
+    the C++ operators are built, the CPU has AMX-BF16, the OS lends the tiles and
+    ``SPLITFUSE_CPU_ISA`` is not set."""
+    return load() != "torch" and bool(torch.ops.splitfuse_cpu.int4_tiles())
+
+
+@contextlib.contextmanager
+def int4_tile_rows(row: int | None) -> Iterator[None]:
+    """Inside it, the ``int4_linear`` calls of this thread multiply their rows from ``row`` on
+    (a step's prompt tokens) on AMX tiles, where ``has_int4_tiles()``; None: every row as
+    before. The setting before it comes back after it."""
+    if row is None or load() == "torch":
+        yield
+        return
+    before = torch.ops.splitfuse_cpu.set_int4_tile_from(row)
+    try:
+        yield
+    finally:
+        torch.ops.splitfuse_cpu.set_int4_tile_from(before)
 
 
 def has_fixed_order_attention() -> bool:

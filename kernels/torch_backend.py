@@ -5,7 +5,8 @@ One object, used in two phases per step (the shape of every backend, see ``kerne
     plan = backend.plan(positions, metadata, kv_cache, max_position)   # once: checks, indices
     rope = backend.rope(positions, cos_sin_cache)                       # once: rotary rows
     per layer: backend.rms_norm(...), backend.rotary(qk, rope),
-               backend.attend(q, k, v, plan, layer, scale)              # K/V store + attention
+               backend.attend(q, k, v, plan, layer, scale),             # K/V store + attention
+               backend.silu_mul(gate_up)
 
 The paged KV cache of a layer (one tensor for K, one for V), slot = block_id * block_size + offset:
 
@@ -181,6 +182,8 @@ class TorchBackend:
         ``heads``' dtype: x * cos + rotate_half(x) * sin, where rolling x by half a head turns
         [x1, x2] into [x2, x1] and (-sin, sin) finishes rotate_half."""
         cos, sin = rope
+        if self._row_ops(heads):
+            return torch.ops.splitfuse_cpu.rotary_rows(heads, cos, sin)
         x = heads.float()
         rotated = x * cos + torch.roll(x, heads.shape[-1] // 2, -1) * sin
         return rotated.to(heads.dtype)
@@ -242,9 +245,33 @@ class TorchBackend:
         in x.dtype, normalized in float32, rounded to x.dtype, then scaled by the weight (the
         Hugging Face Llama order). ``s`` is the next layer's residual. Unchecked: for the
         model's own tensors (a mismatched residual fails in the sum)."""
+        if self._row_ops(x) and (residual is None or residual.dtype == x.dtype):
+            normed, summed = torch.ops.splitfuse_cpu.rms_norm_rows(
+                x.contiguous(), weight, eps, None if residual is None else residual.contiguous()
+            )
+            return normed, x if residual is None else summed
         summed = x if residual is None else x + residual
         normed = F.rms_norm(summed.float(), (x.shape[-1],), eps=eps)  # x * rsqrt(mean(x^2) + eps)
         return normed.to(x.dtype) * weight.to(x.dtype), summed
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's ``silu(gate) * up`` of ``gate_up`` [num_tokens, 2 * intermediate] (gate, then
+        up), in its dtype: silu rounded to it, then the product."""
+        if self._row_ops(gate_up):
+            return torch.ops.splitfuse_cpu.silu_mul_rows(gate_up.contiguous())
+        intermediate = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+
+    def _row_ops(self, x: torch.Tensor) -> bool:
+        """Whether the norms, rotary and SiLU of ``x``'s rows run the C++ operators
+        ``rms_norm_rows``, ``rotary_rows`` and ``silu_mul_rows`` (``kernels/cpu_ops.py``): the
+        decode stack's own arithmetic, so that a decode token's numbers do not depend on which
+        of the two computes its step; float32 and bfloat16 on CPUs where they are built."""
+        return (
+            self.cpu_kernel
+            and x.device.type == "cpu"
+            and (x.dtype == torch.float32 or x.dtype == torch.bfloat16)
+        )
 
     def moe_experts(
         self,

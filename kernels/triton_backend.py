@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from kernels.checks import (
     KernelInputError,
@@ -167,6 +168,12 @@ class TritonBackend:
         _check_device(x)
         result = launch_rms_norm(x, weight, eps, residual)
         return (result, x) if residual is None else result  # type: ignore[return-value]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's ``silu(gate) * up`` of ``gate_up`` [num_tokens, 2 * intermediate] (gate, then
+        up), in PyTorch."""
+        intermediate = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
 
     def moe_experts(
         self,

@@ -37,14 +37,19 @@ from kv_cache.errors import (
 BlockHash = bytes
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """The chained hash of one full block: sha256(parent's hash + this block's token ids).
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], generated_from: int | None = None
+) -> BlockHash:
+    """The chained hash of one full block: sha256(parent's hash + this block's token ids, and
+    ``generated_from``, the first of them a request generated, where given).
 
     Chaining makes a block's hash stand for the whole prefix up to and including it. sha256 (not
     Python's ``hash``) so that one client cannot craft a collision with another's prompt.
     """
     digest = hashlib.sha256(parent_hash or b"")
     digest.update(array("q", token_ids).tobytes())
+    if generated_from is not None:  # (a length no block of tokens alone has)
+        digest.update(b"g" + array("q", [generated_from]).tobytes())
     return digest.digest()
 
 

@@ -9,6 +9,11 @@ Blocks whose tokens' K/V are computed and which are full get a chained hash and 
 cache (``cache_blocks``). A later request with the same leading tokens starts from those blocks
 (``get_computed_blocks`` then ``allocate_slots``) and computes only the rest. A request never
 writes into a cached block: cached blocks are full, and new tokens go into blocks after them.
+
+With ``generated_apart`` (an engine whose products run differently for prompt and generated
+tokens: ``ModelRunner.prompt_tiles``) a block that holds generated tokens hashes where they start
+too, so its K/V serve only a request whose tokens there are of the same kinds (the request
+itself after a preemption), never a prompt that repeats them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class Request(Protocol):
     @property
     def num_computed_tokens(self) -> int: ...
 
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
 
 class _RequestBlocks:
     """What the manager knows about one request."""
@@ -55,12 +63,17 @@ class KVCacheManager:
     """Block tables for requests; all counts are integers, no KV tensors live here."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        generated_apart: bool = False,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.generated_apart = generated_apart
         # Prompt tokens looked up in the prefix cache at each admission, and those found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -217,10 +230,16 @@ class KVCacheManager:
         block_hashes = state.block_hashes
         token_ids = request.token_ids
         size = self.block_size
+        prompt_end = request.num_prompt_tokens if self.generated_apart else None
         while len(block_hashes) < num_blocks:
             index = len(block_hashes)
             parent = block_hashes[-1] if block_hashes else None
+            generated_from = None
+            if prompt_end is not None and prompt_end < (index + 1) * size:
+                generated_from = max(prompt_end - index * size, 0)
             block_hashes.append(
-                hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])
+                hash_block_tokens(
+                    parent, token_ids[index * size : (index + 1) * size], generated_from
+                )
             )
         return block_hashes

@@ -16,6 +16,9 @@ class BatchRow:
     including each token, through ``block_table`` (physical block ids, logical order), which covers
     at least ``start_pos + len(token_ids)`` tokens. ``sample`` is true when the row's last token
     produces the request's next token (a decode, or the chunk that finishes the prompt).
+    ``prompt_end``: the request's prompt length; its tokens at positions below it are prompt
+    tokens, the others generated ones (0: every token generated). Where a CPU multiplies prompt
+    tokens on AMX tiles, a token's kind decides how its products run (``build_model_input``).
     """
 
     request_id: str
@@ -23,6 +26,7 @@ class BatchRow:
     start_pos: int
     block_table: tuple[int, ...]
     sample: bool
+    prompt_end: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -238,7 +238,14 @@ class Scheduler:
                     break  # the request preempted itself: it was the last, none is left
                 block_ids = kv.block_ids(request.request_id)
             rows.append(
-                BatchRow(request.request_id, (token_ids[position],), position, block_ids, True)
+                BatchRow(
+                    request.request_id,
+                    (token_ids[position],),
+                    position,
+                    block_ids,
+                    True,
+                    request.num_prompt_tokens,
+                )
             )
             request.num_computed_tokens = position + 1
             budget -= 1
@@ -359,6 +366,8 @@ class Scheduler:
         for row, request in zip(rows, requests, strict=True):
             params = request.sampling_params
             if len(row.token_ids) != 1 or not row.sample or not params.plain_greedy:
+                return 1
+            if row.start_pos < row.prompt_end:  # a prompt's last token (the rest was cached)
                 return 1
             if request.streamed:  # each token leaves a step after the previous
                 return 1
@@ -606,6 +615,7 @@ class Scheduler:
             row.start_pos,
             row.block_table,
             end == request.num_tokens,
+            row.prompt_end,
         )
         return num_tokens
 
@@ -625,6 +635,7 @@ class Scheduler:
                 start,
                 block_ids,
                 end == request.num_tokens,
+                request.num_prompt_tokens,
             )
         )
         return num_tokens

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import (
@@ -138,10 +137,12 @@ class MLP(nn.Module):
         self,
         config: ModelConfig,
         dtype: torch.dtype,
+        backend: AttentionBackend,
         parallel: ParallelContext,
         intermediate_size: int | None = None,
     ) -> None:
         super().__init__()
+        self.backend = backend
         size = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, [size, size], bias=False, dtype=dtype, parallel=parallel
@@ -152,9 +153,8 @@ class MLP(nn.Module):
         self.local_size = self.gate_up_proj.local_output_sizes[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * local_size]
-        gate, up = gate_up[:, : self.local_size], gate_up[:, self.local_size :]
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * local_size]: gate, then up
+        return self.down_proj(self.backend.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -171,10 +171,10 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module
         if config.is_moe_layer(layer_index):
             shared_size = config.shared_expert_intermediate_size
-            shared = MLP(config, dtype, parallel, shared_size) if shared_size else None
+            shared = MLP(config, dtype, backend, parallel, shared_size) if shared_size else None
             self.mlp = SparseMoeBlock(config, dtype, backend, parallel, shared)
         else:
-            self.mlp = MLP(config, dtype, parallel)
+            self.mlp = MLP(config, dtype, backend, parallel)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, backend)

@@ -200,7 +200,7 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(**runner_kwargs, parallel=group.setup.parallel)
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        return self.run(build_model_input(batch, self.block_size, self.device))
+        return self.run(build_model_input(batch, self.block_size, self.device, self.prompt_tiles))
 
     def run(self, inputs: ModelInput) -> torch.Tensor:
         """Every rank runs ``inputs``; returns the logits of ``inputs.sample_rows``, float32

@@ -4,12 +4,13 @@ Rank 0 builds the ``ModelInput`` of each step (``engine/input_builder.py``) and 
 broadcasts of int64 CPU tensors on the control group: a header, then one payload holding every
 input back to back. The other ranks never see a request or the scheduler.
 
-    header  [COMMAND, num_tokens, num_rows, max_blocks, num_sampled, max_query_len, max_context_len]
+    header  [COMMAND, num_tokens, num_rows, max_blocks, num_sampled, max_query_len, max_context_len,
+             tile_from (-1: None)]
     payload input_ids [num_tokens] ++ positions [num_tokens] ++ slot_mapping [num_tokens]
             ++ query_start [num_rows + 1] ++ context_lens [num_rows]
             ++ block_tables [num_rows * max_blocks] ++ sample_rows [num_sampled]
 
-A 3-row step of 6 tokens with 2-block tables and 2 sampling rows sends 7 + 33 integers.
+A 3-row step of 6 tokens with 2-block tables and 2 sampling rows sends 8 + 33 integers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from engine.input_builder import ModelInput
 from kernels import AttentionMetadata
 
-HEADER_SIZE = 7
+HEADER_SIZE = 8
 
 
 class Command(IntEnum):
@@ -45,6 +46,7 @@ def _header(command: Command, inputs: ModelInput | None = None) -> torch.Tensor:
                 inputs.sample_rows.shape[0],
                 meta.max_query_len,
                 meta.max_context_len,
+                -1 if inputs.tile_from is None else inputs.tile_from,
             ]
         )
     return header
@@ -70,7 +72,7 @@ def unpack_model_input(
     header: torch.Tensor, payload: torch.Tensor, device: torch.device | str = "cpu"
 ) -> ModelInput:
     """The ``ModelInput`` that ``pack_model_input`` packed, on ``device``."""
-    _, num_tokens, num_rows, max_blocks, num_sampled, max_query_len, max_context_len = (
+    _, num_tokens, num_rows, max_blocks, num_sampled, max_query_len, max_context_len, tile_from = (
         header.tolist()
     )
     sizes = [num_tokens, num_tokens, num_tokens, num_rows + 1, num_rows, num_rows * max_blocks]
@@ -93,6 +95,7 @@ def unpack_model_input(
             max_context_len=max_context_len,
         ),
         sample_rows=sample_rows,
+        tile_from=None if tile_from < 0 else tile_from,
     )
 
 

@@ -1013,6 +1013,137 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 };
 
+
+// The stack's norm, rotary and SiLU as operators over a step's rows (float32 or bfloat16), for
+// the model's forward on CPUs (kernels/torch_backend.py): a decode token's numbers are then the
+// same bits whether the stack or the graphs compute its step, and a row's never depend on the
+// others'.
+
+// A float32 view of n values at p (bfloat16 widened into buffer), for a row's arithmetic
+const float* widened(const at::Tensor& t, const void* p, int64_t n, float* buffer) {
+  if (t.scalar_type() == at::kFloat) return static_cast<const float*>(p);
+  const auto* bits = static_cast<const uint16_t*>(p);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(buffer + i, &wide, sizeof(float));
+  }
+  return buffer;
+}
+
+// n values (rounded to bfloat16 already where the tensor is) into a row of t's dtype at p
+void narrowed(const at::Tensor& t, const float* values, int64_t n, void* p) {
+  if (t.scalar_type() == at::kFloat) {
+    if (static_cast<void*>(const_cast<float*>(values)) != p) std::memcpy(p, values, n * 4);
+    return;
+  }
+  auto* bits = static_cast<uint16_t*>(p);
+  for (int64_t i = 0; i < n; ++i) bits[i] = bf16_bits(values[i]);
+}
+
+void check_rows_dtype(const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+              name, ": float32 or bfloat16 CPU tensors only");
+}
+
+// (round(round(rms_norm(s)) * weight), s) with s = x + residual rounded to x's dtype (s = x
+// without one: then summed is returned empty, s being x itself), as norm_row computes a row
+std::tuple<at::Tensor, at::Tensor> rms_norm_rows(const at::Tensor& x, const at::Tensor& weight,
+                                                 double eps,
+                                                 const std::optional<at::Tensor>& residual) {
+  constexpr const char* name = "rms_norm_rows";
+  check_rows_dtype(name, x);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be a contiguous [T, n] tensor");
+  const int64_t T = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, name, ": weight must be [", n, "]");
+  if (residual.has_value())
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                    residual->scalar_type() == x.scalar_type() && residual->device().is_cpu(),
+                name, ": residual must be a contiguous tensor of x's shape and dtype");
+  const bool bf16 = x.scalar_type() == at::kBFloat16, first = !residual.has_value();
+  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  const float* w_ptr = w.data_ptr<float>();
+  at::Tensor normed = at::empty_like(x);
+  at::Tensor summed = first ? x.new_empty({0}) : at::empty_like(x);
+  const int64_t item = x.element_size();
+  const auto* x_ptr = static_cast<const char*>(x.data_ptr());
+  const char* r_ptr = first ? nullptr : static_cast<const char*>(residual->data_ptr());
+  auto* n_ptr = static_cast<char*>(normed.data_ptr());
+  auto* s_ptr = first ? nullptr : static_cast<char*>(summed.data_ptr());
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+    std::vector<float> in(n), sum(n), out(n);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = widened(x, x_ptr + t * n * item, n, in.data());
+      if (!first) {
+        const float* before = widened(x, r_ptr + t * n * item, n, sum.data());
+        if (before != sum.data()) std::memcpy(sum.data(), before, n * sizeof(float));
+      }
+      norm_row(row, sum.data(), w_ptr, out.data(), n, static_cast<float>(eps), first, bf16);
+      narrowed(x, out.data(), n, n_ptr + t * n * item);
+      if (!first) narrowed(x, sum.data(), n, s_ptr + t * n * item);
+    }
+  });
+  return {normed, summed};
+}
+
+// Rotary on heads [T, H, D] (each head's D values contiguous; the tokens, and the heads, any
+// stride) with the step's rows cos [T, 1, D] (cos twice) and sin [T, 1, D] ((-sin, sin)),
+// float32, as rotate_head computes a head; a contiguous result in the heads' dtype
+at::Tensor rotary_rows(const at::Tensor& heads, const at::Tensor& cos, const at::Tensor& sin) {
+  constexpr const char* name = "rotary_rows";
+  check_rows_dtype(name, heads);
+  TORCH_CHECK(heads.dim() == 3 && heads.stride(2) == 1, name,
+              ": heads must be [T, H, D] with each head's values contiguous");
+  const int64_t T = heads.size(0), H = heads.size(1), D = heads.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, name, ": the head size must be even");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == T && t->size(1) == 1 && t->size(2) == D && t->device().is_cpu(),
+                name, ": cos and sin must be contiguous float32 [T, 1, D]");
+  const bool bf16 = heads.scalar_type() == at::kBFloat16;
+  at::Tensor out = at::empty({T, H, D}, heads.options());
+  const int64_t item = heads.element_size();
+  const auto* h_ptr = static_cast<const char*>(heads.data_ptr());
+  auto* o_ptr = static_cast<char*>(out.data_ptr());
+  const float* c_ptr = cos.data_ptr<float>();
+  const float* s_ptr = sin.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / (H * D)), [&](int64_t begin, int64_t end) {
+    std::vector<float> in(D), rotated(D);
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const float* head = widened(
+            heads, h_ptr + (t * heads.stride(0) + h * heads.stride(1)) * item, D, in.data());
+        rotate_head(head, c_ptr + t * D, s_ptr + t * D + half, rotated.data(), half, bf16);
+        narrowed(heads, rotated.data(), D, o_ptr + (t * H + h) * D * item);
+      }
+  });
+  return out;
+}
+
+// round(round(silu(gate)) * up) of gate_up [T, 2I] (gate, then up) -> [T, I], as silu_mul
+at::Tensor silu_mul_rows(const at::Tensor& gate_up) {
+  constexpr const char* name = "silu_mul_rows";
+  check_rows_dtype(name, gate_up);
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, name,
+              ": gate_up must be a contiguous [T, 2I] tensor");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  const bool bf16 = gate_up.scalar_type() == at::kBFloat16;
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const int64_t item = gate_up.element_size();
+  const auto* g_ptr = static_cast<const char*>(gate_up.data_ptr());
+  auto* o_ptr = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, T, std::max<int64_t>(1, 8192 / I), [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(I), up(I), act(I);
+    for (int64_t t = begin; t < end; ++t) {
+      const char* row = g_ptr + t * 2 * I * item;
+      silu_mul(widened(gate_up, row, I, gate.data()), widened(gate_up, row + I * item, I, up.data()),
+               act.data(), I, bf16);
+      narrowed(gate_up, act.data(), I, o_ptr + t * I * item);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
@@ -1022,4 +1153,14 @@ TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
       .def("logits", &DecodeStack::logits)
       .def("greedy_steps", &DecodeStack::greedy_steps)
       .def("num_layers", &DecodeStack::num_layers);
+  m.def("rms_norm_rows(Tensor x, Tensor weight, float eps, Tensor? residual) -> "
+        "(Tensor, Tensor)");
+  m.def("rotary_rows(Tensor heads, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul_rows(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {
+  m.impl("rms_norm_rows", rms_norm_rows);
+  m.impl("rotary_rows", rotary_rows);
+  m.impl("silu_mul_rows", silu_mul_rows);
 }
