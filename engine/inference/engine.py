@@ -147,13 +147,23 @@ class InferenceEngine:
                         if take <= 0:
                             continue
                         chunk = tuple(rows[index][done[index] : done[index] + take])
-                        batch_rows.append(
-                            BatchRow(str(index), chunk, done[index], tables[index], True)
+                        batch_rows.append(  # (prompt tokens, as a prompt's forward takes them)
+                            BatchRow(
+                                str(index),
+                                chunk,
+                                done[index],
+                                tables[index],
+                                True,
+                                len(rows[index]),
+                            )
                         )
                         done[index] += take
                         room -= take
                     inputs = build_model_input(
-                        ScheduledBatch(rows=tuple(batch_rows)), block_size, runner.device
+                        ScheduledBatch(rows=tuple(batch_rows)),
+                        block_size,
+                        runner.device,
+                        runner.prompt_tiles,
                     )
                     all_rows = torch.arange(inputs.num_tokens, device=runner.device)
                     step_logits = runner.run(dataclasses.replace(inputs, sample_rows=all_rows))

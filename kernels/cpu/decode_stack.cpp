@@ -37,8 +37,9 @@
 // kernel (int4_linear.h), the logits its float32 sums as the model's quantized head returns them
 // (ParallelLMHead.float32_result). The products and attention are the operators' own kernels on
 // the same inputs, so they give the same bits as the operators; the norms, rotary and SiLU are
-// written here, in float32 as the model computes them, and may differ from PyTorch's in the last
-// bit of a float32 before rounding (a sum's order, an exp's polynomial).
+// written here, in float32 as the model computes them, and are the operators rms_norm_rows,
+// rotary_rows and silu_mul_rows too (at the end of this file), which the model's forward runs on
+// CPUs: a decode token gets the same bits from the stack and from the graphs.
 //
 // Every input is checked before the cache is written; a bad one raises and changes nothing.
 

@@ -12,6 +12,12 @@ Against ``F.linear`` on x itself, each x value is off by at most half its run's 
 output is off by at most sum_k |w[n, k]| d[m, run(k)] / 2 (plus the float32 rounding): the bound
 the products are held to. 8 bits packed as ``PackedInt8`` (``int8_linear``, a 4-bit model's LM
 head) round x the same way and are held to the same bounds.
+
+On a CPU with AMX tiles, the rows of a step's prompt tokens (``int4_tile_rows``) multiply x
+rounded to bfloat16 by the weight's values rounded to bfloat16 in float32 sums
+(``int4_tiles_reference``; 1e-5 again), each within 2^-8 of its exact value: an output is then
+off by at most 2^-7 sum_k |x[m, k] w[n, k]| from ``F.linear`` on x (both roundings, plus float32
+sums).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -34,12 +41,13 @@ from engine.quantization import (
     QuantizedTensor,
     dequantize_groups,
     int4_linear_reference,
+    int4_tiles_reference,
     pack_4bit,
     quantize,
     quantize_activations,
     unpack_4bit,
 )
-from kernels.cpu_ops import load
+from kernels.cpu_ops import has_int4_tiles, int4_tile_rows, load
 
 LAYOUTS = [(4, 32), (4, 64), (4, 128), (8, 32), (8, 128), (8, None)]
 
@@ -216,6 +224,70 @@ def test_4bit_products_of_bfloat16_rows_and_any_group_size(num_in, group_size, n
         assert_int4_product(product(x, quantized), x.float(), quantized)
 
 
+def assert_tiles_product(got: torch.Tensor, x: torch.Tensor, packed: PackedInt4) -> None:
+    """``int4_linear``'s prompt rows on AMX tiles against their reference and against x (module
+    docstring)."""
+    want = int4_tiles_reference(x, packed).double()
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    weight = packed.unpack().dequantize().double()
+    exact = F.linear(x.double(), weight)
+    bound = F.linear(x.double().abs(), weight.abs()) * 2**-7
+    assert ((got.double() - exact).abs() <= bound + 1e-5 * exact.abs().max()).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 96, 128])
+def test_prompt_rows_multiply_on_amx_tiles_each_row_on_its_own(group_size):
+    """Rows from ``int4_tile_rows``' row on go on the tiles, the rows before it as without it:
+    bfloat16 and float32 rows, 45 outputs (three column blocks: a pair and one alone, the last
+    of 13 columns), calls at 16- and 32-row tile edges and past them. A row's result is the
+    same bits whatever the call's rows and wherever the prompt rows start."""
+    if not has_int4_tiles():
+        pytest.skip("no AMX tiles here (or SPLITFUSE_CPU_ISA asks for narrower instructions)")
+    torch.manual_seed(group_size)
+    num_in = 384
+    quantized = quantize(torch.randn(45, num_in) * 0.1, 4, group_size)
+    packed = PackedInt4.pack(quantized)
+    x = torch.randn(300, num_in) * 3
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = x.to(dtype)
+        integer = product(rows, quantized)
+        with int4_tile_rows(0):
+            tiled = product(rows, quantized)
+            alone = [product(rows[m : m + 1], quantized)[0] for m in (0, 17, 299)]
+        assert_tiles_product(tiled, rows.float(), packed)
+        assert all(torch.equal(a, tiled[m]) for a, m in zip(alone, (0, 17, 299), strict=True))
+        for num_rows, first in ((1, 0), (16, 3), (33, 32), (47, 5), (64, 64), (65, 1), (300, 100)):
+            with int4_tile_rows(first):
+                got = product(rows[:num_rows], quantized)
+            assert got.shape == (num_rows, 45)
+            assert torch.equal(got[:first], integer[:first])
+            assert torch.equal(got[first:], tiled[first:num_rows])
+
+
+def test_tile_rows_apply_inside_their_block_and_to_its_thread_only():
+    torch.manual_seed(0)
+    quantized = quantize(torch.randn(20, 64) * 0.1, 4, 32)
+    x = torch.randn(8, 64)
+    integer = product(x, quantized)
+    with int4_tile_rows(None):
+        assert torch.equal(product(x, quantized), integer)
+    with int4_tile_rows(4):
+        inside = product(x, quantized)
+        with int4_tile_rows(None):  # None changes nothing: the setting around it holds
+            assert torch.equal(product(x, quantized), inside)
+        with int4_tile_rows(6):
+            assert torch.equal(product(x, quantized)[:6], integer[:6])
+        assert torch.equal(product(x, quantized), inside)
+        other: list[torch.Tensor] = []
+        thread = threading.Thread(target=lambda: other.append(product(x, quantized)))
+        thread.start()
+        thread.join()
+        assert torch.equal(other[0], integer)
+    assert torch.equal(product(x, quantized), integer)
+    assert torch.equal(inside[:4], integer[:4])
+    assert torch.equal(inside[4:], integer[4:]) != has_int4_tiles()
+
+
 def test_packing_4bit_weights_for_integer_dot_products_keeps_their_numbers():
     for num_rows, num_cols, group_size in [
         (45, 256, 32),
@@ -285,7 +357,7 @@ def test_the_products_refuse_what_they_cannot_read():
 _NARROWER_CHECK = """
 import torch, torch.nn.functional as F
 from engine.quantization import quantize
-from kernels.cpu_ops import load
+from kernels.cpu_ops import has_int4_tiles, int4_tile_rows, load
 from tests.kernels.test_quant_linear import assert_int4_product, integer_dot_digest, product
 kind = load()
 for bits, size in [(4, 32), (4, 64), (8, 64), (8, 128)]:

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kernel_reference import (
     make_ragged_batch,
     reference_attention,
@@ -340,6 +341,50 @@ def test_rotary_matches_reference_on_fused_query_and_key_heads(dtype, head_dim):
     assert rotated.dtype == dtype and rotated.shape == heads.shape
     torch.testing.assert_close(rotated.double(), expected, atol=ROTARY_ATOL[dtype], rtol=0)
     assert torch.equal(fused[:, num_heads + num_kv_heads :], value_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_matches_pytorch(dtype):
+    generator = torch.Generator().manual_seed(5)
+    gate_up = (3 * torch.randn(7, 2 * 80, generator=generator)).to(dtype)
+    got = backend.silu_mul(gate_up)
+    want = (F.silu(gate_up[:, :80].double()) * gate_up[:, 80:].double()).to(dtype)
+    assert got.dtype == dtype and got.shape == (7, 80)
+    torch.testing.assert_close(got, want, atol=RMS_TOL[dtype][0], rtol=RMS_TOL[dtype][1])
+
+
+@pytest.mark.skipif(not backend.cpu_kernel, reason="the C++ operators are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_norm_rotary_and_silu_of_a_row_do_not_depend_on_the_other_rows(dtype):
+    """The CPU's ``rms_norm_rows``, ``rotary_rows`` and ``silu_mul_rows`` (the decode stack's
+    arithmetic): a row alone gives the bits it gives among 37, near PyTorch's own."""
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(37, 576, generator=generator).to(dtype)
+    residual = torch.randn(37, 576, generator=generator).to(dtype)
+    weight = (1 + 0.1 * torch.randn(576, generator=generator)).to(dtype)
+    qkv = torch.randn(37, 15, 64, generator=generator).to(dtype)
+    heads = qkv[:, :12]  # query and key heads of a fused QKV: a strided view
+    rope = backend.rope(torch.arange(37) * 7, build_cos_sin_cache(64, 512, 10000.0, None))
+    gate_up = (3 * torch.randn(37, 2 * 1536, generator=generator)).to(dtype)
+    assert backend._row_ops(x)
+    normed, summed = backend.rms_norm(x, weight, 1e-5, residual)
+    first, _ = backend.rms_norm(x, weight, 1e-5)
+    rotated = backend.rotary(heads, rope)
+    act = backend.silu_mul(gate_up)
+    for t in (0, 18, 36):
+        one = slice(t, t + 1)
+        alone, alone_summed = backend.rms_norm(x[one], weight, 1e-5, residual[one])
+        assert torch.equal(alone, normed[one]) and torch.equal(alone_summed, summed[one])
+        assert torch.equal(backend.rms_norm(x[one], weight, 1e-5)[0], first[one])
+        row_rope = (rope[0][one], rope[1][one])
+        assert torch.equal(backend.rotary(heads[one], row_rope), rotated[one])
+        assert torch.equal(backend.silu_mul(gate_up[one]), act[one])
+    atol, rtol = RMS_TOL[dtype]
+    want_normed, want_summed = sdpa_backend.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(normed, want_normed, atol=atol, rtol=rtol)
+    assert torch.equal(summed, want_summed)
+    torch.testing.assert_close(rotated, sdpa_backend.rotary(heads, rope), atol=atol, rtol=rtol)
+    torch.testing.assert_close(act, sdpa_backend.silu_mul(gate_up), atol=atol, rtol=rtol)
 
 
 def test_rope_rows_are_the_tables_rows_of_the_positions():

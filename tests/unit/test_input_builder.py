@@ -181,3 +181,73 @@ def test_decode_steps_refuse_prompt_rows_and_tables_short_of_the_last_step() -> 
         build(BatchRow("a", (5,), 0, (0,), False))
     with pytest.raises(ValueError, match="empty"):
         build_decode_steps(ScheduledBatch(rows=(), num_steps=2), block_size=4)
+
+
+def _tiled(batch: ScheduledBatch, block_size: int) -> tuple[dict[str, list], int | None]:
+    inputs = build_model_input(batch, block_size, prompt_tiles=True)
+    meta = inputs.metadata
+    return {
+        "input_ids": inputs.input_ids.tolist(),
+        "positions": inputs.positions.tolist(),
+        "slot_mapping": meta.slot_mapping.tolist(),
+        "query_start": meta.query_start.tolist(),
+        "context_lens": meta.context_lens.tolist(),
+        "block_tables": meta.block_tables.tolist(),
+        "sample_rows": inputs.sample_rows.tolist(),
+        "max_query_len": meta.max_query_len,
+        "max_context_len": meta.max_context_len,
+    }, inputs.tile_from
+
+
+def test_prompt_tiles_put_generated_tokens_first_and_split_a_row_of_both_kinds() -> None:
+    # block_size 4. A prompt chunk (prompt of 6 tokens, positions 0-2), a decode (prompt of 3,
+    # position 5), and a preempted request computing again its prompt of 2 and its first two
+    # generated tokens (positions 0-3): its generated part goes with the decode, its prompt part
+    # after the other prompt chunk, each attending up to its own last position.
+    batch = ScheduledBatch(
+        rows=(
+            BatchRow("p", (60, 61, 62), 0, (6, 1), False, 6),
+            BatchRow("d", (50,), 5, (3, 8), True, 3),
+            BatchRow("r", (70, 71, 72, 73), 0, (2,), True, 2),
+        )
+    )
+    lists, tile_from = _tiled(batch, 4)
+    assert lists == {
+        "input_ids": [50, 72, 73, 60, 61, 62, 70, 71],
+        "positions": [5, 2, 3, 0, 1, 2, 0, 1],
+        "slot_mapping": [33, 10, 11, 24, 25, 26, 8, 9],
+        "query_start": [0, 1, 3, 6, 8],
+        "context_lens": [6, 4, 3, 2],
+        "block_tables": [[3, 8], [2, 0], [6, 0], [2, 0]],
+        "sample_rows": [0, 2],  # the batch's row order: d, then r's last token
+        "max_query_len": 3,
+        "max_context_len": 6,
+    }
+    assert tile_from == 3
+
+
+def test_prompt_tiles_leave_a_batch_in_order_as_it_is() -> None:
+    # decodes first, then prompt chunks (the scheduler's order): nothing moves; without prompt
+    # tokens no row is tiled; without prompt_tiles, or with prompt_end 0, nothing changes
+    rows = (
+        BatchRow("a", (50,), 5, (3, 8), True, 4),
+        BatchRow("b", (60, 61, 62), 2, (6, 1), False, 9),
+        BatchRow("c", (70, 71), 0, (2,), True, 2),
+    )
+    plain = _lists(ScheduledBatch(rows=rows), 4)
+    lists, tile_from = _tiled(ScheduledBatch(rows=rows), 4)
+    assert lists == plain and tile_from == 1
+    lists, tile_from = _tiled(ScheduledBatch(rows=rows[:1]), 4)
+    assert lists == _lists(ScheduledBatch(rows=rows[:1]), 4) and tile_from is None
+    assert build_model_input(ScheduledBatch(rows=rows), 4).tile_from is None
+    untagged = tuple(
+        BatchRow(r.request_id, r.token_ids, r.start_pos, r.block_table, r.sample) for r in rows
+    )
+    assert _tiled(ScheduledBatch(rows=untagged), 4) == (plain, None)
+
+
+def test_a_prompts_last_token_alone_is_a_prompt_token() -> None:
+    # the rest of its prompt was cached: one token, scheduled as a decode, still a prompt token
+    batch = ScheduledBatch(rows=(BatchRow("a", (50,), 7, (3, 8), True, 8),))
+    lists, tile_from = _tiled(batch, 4)
+    assert tile_from == 0 and lists["slot_mapping"] == [35]

@@ -93,6 +93,31 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute():
     kv.check_integrity()
 
 
+@pytest.mark.parametrize("generated_apart", [False, True])
+def test_generated_tokens_kv_serves_a_prompt_that_repeats_them_only_where_kinds_do_not_matter(
+    generated_apart,
+):
+    """With ``generated_apart`` (prompt and generated tokens computed apart: AMX tiles), a block
+    holding generated tokens does not serve a prompt that repeats them; the prompt's own full
+    blocks are shared as before, and a request of the same prompt and generated tokens (a
+    preempted request) finds them all."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, generated_apart=generated_apart)
+    first = make_request("a", list(range(6)))  # prompt 0-5: blocks 0-3 | 4-5 ..
+    assert admit(kv, first) == [0, 1]
+    compute_all(kv, first)
+    first.token_ids.extend([6, 7, 8, 9])  # generated: positions 6-9
+    assert kv.allocate_slots(first, 4) == [2]
+    compute_all(kv, first)  # full blocks 0-3, 4-7 (two generated), 8-11 not full
+
+    chat = make_request("b", list(range(10)))  # a prompt repeating the generated tokens
+    assert kv.get_computed_blocks(chat) == (([0], 4) if generated_apart else ([0, 1], 8))
+    again = make_request("a2", list(range(6)))  # the same prompt, the same generated tokens
+    again.token_ids.extend([6, 7, 8, 9])
+    assert kv.get_computed_blocks(again) == ([0, 1], 8)
+    kv.free(first)
+    kv.check_integrity()
+
+
 def test_freed_blocks_stay_cached_and_the_prefix_is_evicted_last():
     kv = KVCacheManager(num_blocks=4, block_size=2)
     first = make_request("a", [1, 2, 3, 4, 5, 6])

@@ -396,6 +396,24 @@ def test_plain_greedy_decodes_run_several_steps_with_lookahead_blocks():
     assert batch.num_steps == 4 and shape(batch) == [("a", 10, 1, True), ("b", 7, 1, True)]
 
 
+def test_rows_say_where_their_requests_prompt_ends_and_a_prompts_last_token_runs_alone():
+    # "b" repeats "a"'s 9-token prompt: 8 tokens come from the prefix cache and its last prompt
+    # token is scheduled as one token, as a decode is; it is still a prompt token (prompt_end 9),
+    # so that step runs one step, not several
+    scheduler = ahead_scheduler()
+    a = add(scheduler, "a", 9, temperature=0.0, max_tokens=1)
+    batch, _ = step(scheduler)
+    assert [(r.request_id, r.prompt_end) for r in batch.rows] == [("a", 9)]
+    assert a.finish_reason == "length"
+    add(scheduler, "b", 9, temperature=0.0, max_tokens=20)
+    batch, _ = step(scheduler)
+    assert shape(batch) == [("b", 8, 1, True)] and batch.rows[0].prompt_end == 9
+    assert batch.num_steps == 1
+    batch = scheduler.schedule()  # b's generated tokens decode ahead
+    assert batch.num_steps == 4 and batch.rows[0].prompt_end == 9
+    assert shape(batch) == [("b", 9, 1, True)]
+
+
 def test_a_token_that_ends_a_request_drops_the_rest_of_its_steps():
     scheduler = ahead_scheduler()
     a = add(scheduler, "a", 4, temperature=0.0, max_tokens=20)

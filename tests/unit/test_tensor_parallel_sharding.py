@@ -105,6 +105,17 @@ def test_pack_and_unpack_round_trip_every_input() -> None:
     assert got.metadata.max_query_len == 3 and got.metadata.max_context_len == 6
 
 
+def test_the_first_prompt_token_travels_with_the_step() -> None:
+    rows = (
+        BatchRow("a", (50,), 5, (3, 8), True, 5),
+        BatchRow("b", (60, 61, 62), 2, (6, 1), False, 9),
+    )
+    for prompt_tiles, tile_from in ((False, None), (True, 1)):
+        inputs = build_model_input(ScheduledBatch(rows=rows), 4, prompt_tiles=prompt_tiles)
+        assert inputs.tile_from == tile_from
+        assert unpack_model_input(*pack_model_input(inputs)).tile_from == tile_from
+
+
 def test_unpack_refuses_a_short_payload() -> None:
     rows = (BatchRow("a", (1, 2, 3), 0, (0,), True),)
     header, payload = pack_model_input(build_model_input(ScheduledBatch(rows=rows), 4))
