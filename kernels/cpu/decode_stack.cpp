@@ -212,8 +212,10 @@ SF_CLONES void silu_mul_loop(const float* gate, const float* up, float* act, int
 
 // SiLU on AVX-512, 16 values a vector: the compiler left silu_mul_loop's bfloat16 case partly
 // scalar (a prompt chunk's 512 x 1536 values took ~0.5 ms, ~2.4 ms from bfloat16 rows). The same
-// steps as silu() and exp_nonpositive() (their multiply-adds fused), and round_bf16 in integer
-// operations.
+// steps as silu() and exp_nonpositive() (their multiply-adds fused; the polynomial is the one
+// fixed_order_attention_body.h's exp16_nonpositive spells in vector extensions, whose clamp and
+// bits for attention's weights differ), 1 / (1 + e) by a reciprocal and a Newton step, and
+// round_bf16 in integer operations.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
 namespace silu_avx512 {

@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.input_builder import build_decode_steps, build_model_input
+from engine.input_builder import ModelInput, build_decode_steps, build_model_input
 from scheduler.batch import BatchRow, ScheduledBatch
 
 
 def _lists(batch: ScheduledBatch, block_size: int) -> dict[str, list]:
-    inputs = build_model_input(batch, block_size)
+    return _as_lists(build_model_input(batch, block_size))
+
+
+def _as_lists(inputs: ModelInput) -> dict[str, list]:
     meta = inputs.metadata
     assert inputs.input_ids.dtype == torch.int64 and inputs.positions.dtype == torch.int64
     assert meta.slot_mapping.dtype == torch.int64 and inputs.sample_rows.dtype == torch.int64
@@ -185,18 +188,7 @@ def test_decode_steps_refuse_prompt_rows_and_tables_short_of_the_last_step() -> 
 
 def _tiled(batch: ScheduledBatch, block_size: int) -> tuple[dict[str, list], int | None]:
     inputs = build_model_input(batch, block_size, prompt_tiles=True)
-    meta = inputs.metadata
-    return {
-        "input_ids": inputs.input_ids.tolist(),
-        "positions": inputs.positions.tolist(),
-        "slot_mapping": meta.slot_mapping.tolist(),
-        "query_start": meta.query_start.tolist(),
-        "context_lens": meta.context_lens.tolist(),
-        "block_tables": meta.block_tables.tolist(),
-        "sample_rows": inputs.sample_rows.tolist(),
-        "max_query_len": meta.max_query_len,
-        "max_context_len": meta.max_context_len,
-    }, inputs.tile_from
+    return _as_lists(inputs), inputs.tile_from
 
 
 def test_prompt_tiles_put_generated_tokens_first_and_split_a_row_of_both_kinds() -> None:
