@@ -304,11 +304,20 @@ void silu_mul(const float* gate, const float* up, float* act, int64_t n, bool bf
     silu_mul_loop(gate, up, act, n, bf16);
 }
 
-// silu_mul's bfloat16 case on bfloat16 rows: the same arithmetic, the same bits
-SF_CLONES void silu_mul_bf16_loop(const uint16_t* gate, const uint16_t* up, uint16_t* act,
-                                  int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    act[i] = bf16_bits(round_bf16(round_bf16(silu(bf16_value(gate[i]))) * bf16_value(up[i])));
+// silu_mul's bfloat16 case on bfloat16 rows: widened a chunk at a time into floats for
+// silu_mul_loop (written per value, the compiler left the loop scalar: ~6x the time)
+void silu_mul_bf16_loop(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
+  constexpr int64_t kChunk = 256;
+  alignas(64) float g[kChunk], u[kChunk], a[kChunk];
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t count = std::min(kChunk, n - begin);
+    for (int64_t i = 0; i < count; ++i) {
+      g[i] = bf16_value(gate[begin + i]);
+      u[i] = bf16_value(up[begin + i]);
+    }
+    silu_mul_loop(g, u, a, count, true);
+    for (int64_t i = 0; i < count; ++i) act[begin + i] = bf16_bits(a[i]);
+  }
 }
 
 void silu_mul_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
