@@ -12,8 +12,8 @@ LM head stay the model's own unless they are 8-bit (below).
 It computes what the model's forward computes (``engine/models/llama.py``), with the same
 roundings to the activations' dtype; the products and attention give the same bits as the
 operators, and its norms, rotary and SiLU are the operators ``rms_norm_rows``, ``rotary_rows``
-and ``silu_mul_rows`` that the forward runs on CPUs: with 4-bit weights a decode token's logits
-and K/V are the same bits whether the stack or the graphs run its step.
+and ``silu_mul_rows`` that a 4-bit model's forward runs on CPUs: a decode token's logits and K/V
+are then the same bits whether the stack or the graphs run its step.
 It applies only where the model fits it: a dense Llama stack (no MoE, no q/k norm, no biases) on
 one process, every product of the stack either 4-bit packed for the CPU with one group size or
 bfloat16 read by ``blocked_linear`` (CPUs with AVX-512 BF16), the C++ operators built, and

@@ -168,18 +168,21 @@ class ModelRunner:
                     # the LM head multiplies the sampled rows alone: one a row at most
                     sampled = isinstance(module, ParallelLMHead)
                     module.set_deterministic(max_decode_rows if sampled else max_step_tokens)
+        int4_products = any(
+            isinstance(module, MatmulLayer) and module.int4_out_features
+            for module in self.model.modules()
+        )
         # a CPU with AMX multiplies the 4-bit products of prompt tokens on its tiles, those of
         # generated tokens as before (``kernels.cpu_ops.int4_tile_rows``; deterministic mode
         # splits products into tiles of rows of its own)
         self.prompt_tiles = (
-            device.type == "cpu"
-            and not deterministic
-            and any(
-                isinstance(module, MatmulLayer) and module.int4_out_features
-                for module in self.model.modules()
-            )
-            and has_int4_tiles()
+            device.type == "cpu" and not deterministic and int4_products and has_int4_tiles()
         )
+        # the forward's norms, rotary and SiLU are the decode stack's where their products are
+        # the same kernels (4-bit weights): a decode token's bits then do not depend on which
+        # of the two runs its step (``TorchBackend.row_ops``)
+        if self.backend.name == "torch":
+            self.backend.row_ops = int4_products  # type: ignore[attr-defined]
         # decode steps of a Llama stack with 4-bit or blocked bfloat16 weights on a CPU: one
         # C++ call (``engine/decode_stack.py``; None: the graphs run them)
         self.decode_stack = (

@@ -21,8 +21,9 @@ install`` builds them, later imports load the cached library):
 - ``splitfuse_cpu.DecodeStack``, a class that runs a decode step of a Llama stack with 4-bit or
   blocked bfloat16 weights, every layer in one parallel region, with the kernels of the
   operators above (``engine/decode_stack.py``), and its norm, rotary and SiLU as the operators
-  ``rms_norm_rows``, ``rotary_rows`` and ``silu_mul_rows``, which the model's forward calls on
-  CPUs (``kernels/torch_backend.py``), so that a decode token gets the same bits either way.
+  ``rms_norm_rows``, ``rotary_rows`` and ``silu_mul_rows``, which the forward of a 4-bit model
+  calls on CPUs (``kernels/torch_backend.py``), so that a decode token gets the same bits
+  either way.
 
 ``quant_linear(x, qweight, scales, group_size)``: x [M, K] float32 or bfloat16 times an 8-bit
 weight [N, K] (layouts in ``engine/quantization.py``), dequantized and transposed -> [M, N] float32.

@@ -38,8 +38,8 @@
 // (ParallelLMHead.float32_result). The products and attention are the operators' own kernels on
 // the same inputs, so they give the same bits as the operators; the norms, rotary and SiLU are
 // written here, in float32 as the model computes them, and are the operators rms_norm_rows,
-// rotary_rows and silu_mul_rows too (at the end of this file), which the model's forward runs on
-// CPUs: a decode token gets the same bits from the stack and from the graphs.
+// rotary_rows and silu_mul_rows too (at the end of this file), which a 4-bit model's forward
+// runs on CPUs: a decode token gets the same bits from the stack and from the graphs.
 //
 // Every input is checked before the cache is written; a bad one raises and changes nothing.
 
@@ -1177,9 +1177,9 @@ struct DecodeStack : torch::CustomClassHolder {
 
 
 // The stack's norm, rotary and SiLU as operators over a step's rows (float32 or bfloat16), for
-// the model's forward on CPUs (kernels/torch_backend.py): a decode token's numbers are then the
-// same bits whether the stack or the graphs compute its step, and a row's never depend on the
-// others'.
+// a 4-bit model's forward on CPUs (kernels/torch_backend.py): a decode token's numbers are then
+// the same bits whether the stack or the graphs compute its step, and a row's never depend on
+// the others'.
 
 void check_rows_dtype(const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() &&

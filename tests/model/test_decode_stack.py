@@ -416,6 +416,17 @@ def test_only_the_sampled_rows_logits(tiny_llama_dir):
     assert torch.equal(greedy, every[[2, 0]].argmax(dim=-1))
 
 
+def test_the_forward_runs_the_stacks_norms_rotary_and_silu_with_4bit_weights_only(
+    tiny_llama_dir,
+):
+    """With 4-bit weights the forward's norms, rotary and SiLU are the stack's (the same bits
+    for a decode token either way); with other weights, whose products are not the stack's,
+    they stay PyTorch's."""
+    assert int4_engine(tiny_llama_dir, "float32").runner.backend.row_ops
+    plain = int4_engine(tiny_llama_dir, "float32", quantization="none")
+    assert not plain.runner.backend.row_ops
+
+
 def test_where_the_stack_applies(tiny_llama_dir, tiny_qwen2_dir):
     assert int4_engine(tiny_llama_dir, "bfloat16").runner.decode_stack.holds_head
     runner = int4_engine(tiny_llama_dir, "bfloat16", quantization="none").runner
