@@ -220,19 +220,24 @@ void check_block_scales(const char* name, const at::Tensor& t, int64_t blocks,
               name, ": scales and mins must be contiguous float16 [ceil(N/16), K/group_size, 16]");
 }
 
-// out [M, N] float32 = x's rows rounded to int8 (RoundedRows) times a packed weight of `blocks`
-// column blocks: columns(rows, block_begin, block_end, tile_out, out) multiplies a range of
-// them, the threads sharing the blocks.
+// out_ptr's rows [0, M) of N float32 = x's rows rounded to int8 (RoundedRows) times a packed
+// weight of `blocks` column blocks: columns(rows, block_begin, block_end, tile_out, out)
+// multiplies a range of them, the threads sharing the blocks.
 template <typename Columns>
-at::Tensor packed_product(const at::Tensor& x, int64_t N, int64_t blocks, Columns columns) {
-  at::Tensor out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
-  if (x.size(0) == 0) return out;
+void packed_product_into(const at::Tensor& x, float* out_ptr, int64_t blocks, Columns columns) {
+  if (x.size(0) == 0) return;
   const RoundedRows rows(x);
-  float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float tile_out[4 * 64];
     columns(rows, begin, end, tile_out, out_ptr);
   });
+}
+
+// packed_product_into a new [M, N] float32 tensor
+template <typename Columns>
+at::Tensor packed_product(const at::Tensor& x, int64_t N, int64_t blocks, Columns columns) {
+  at::Tensor out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  packed_product_into(x, out.data_ptr<float>(), blocks, columns);
   return out;
 }
 
@@ -250,10 +255,10 @@ uint16_t* panel_scratch(int64_t K) {
   return buffer.get();
 }
 
-// x's rows on AMX tiles: x as bfloat16 bits in rows padded to a multiple of 16 (the padding
-// zeros), the threads sharing pairs of column blocks
-at::Tensor amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uint16_t* sc_ptr,
-                            const uint16_t* mn_ptr, int64_t N, int64_t group_size) {
+// out_ptr's rows [0, M) of N float32 = x's rows on AMX tiles: x as bfloat16 bits in rows padded
+// to a multiple of 16 (the padding zeros), the threads sharing pairs of column blocks
+void amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uint16_t* sc_ptr,
+                      const uint16_t* mn_ptr, int64_t N, int64_t group_size, float* out_ptr) {
   const int64_t M = x.size(0), K = x.size(1), padded = (M + 15) / 16 * 16;
   at::Tensor rows = x;
   if (x.scalar_type() != at::kBFloat16 || padded != M) {
@@ -261,8 +266,6 @@ at::Tensor amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uin
     rows.narrow(0, 0, M).copy_(x);  // (float32 rounded to nearest even)
   }
   const auto* x16 = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* out_ptr = out.data_ptr<float>();
   const int64_t blocks = (N + 15) / 16;
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float tile_out[16 * 16];
@@ -271,7 +274,6 @@ at::Tensor amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uin
                                      out_ptr);
     splitfuse_int4::amx_release();
   });
-  return out;
 }
 
 // the calling thread's first row of prompt tokens (set_int4_tile_from); kNoTileRows: none
@@ -289,20 +291,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
   const auto* sc_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* mn_ptr = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  auto integer_rows = [&](const at::Tensor& part) {
-    const int64_t rows_m = part.size(0);
-    return packed_product(part, N, blocks, [&](const RoundedRows& rows, int64_t begin,
-                                               int64_t end, float* tile_out, float* out) {
-      kernels.columns(rows.q, rows.d, rows.s, rows_m, K, N, w_ptr, sc_ptr, mn_ptr, group_size,
-                      begin, end, tile_out, out);
-    });
-  };
-  const int64_t from = std::min(M, tile_from_row);
-  if (from == M || !splitfuse_int4::amx_ready()) return integer_rows(x);
-  at::Tensor tiles = amx_int4_product(x.narrow(0, from, M - from), w_ptr, sc_ptr, mn_ptr, N,
-                                      group_size);
-  if (from == 0) return tiles;
-  return at::cat({integer_rows(x.narrow(0, 0, from)), tiles});
+  // rows [0, from) on the integer products, [from, M) on the tiles, into one result
+  const int64_t from = splitfuse_int4::amx_ready() ? std::min(M, tile_from_row) : M;
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* out_ptr = out.data_ptr<float>();
+  packed_product_into(x.narrow(0, 0, from), out_ptr, blocks,
+                      [&](const RoundedRows& rows, int64_t begin, int64_t end, float* tile_out,
+                          float* result) {
+                        kernels.columns(rows.q, rows.d, rows.s, from, K, N, w_ptr, sc_ptr,
+                                        mn_ptr, group_size, begin, end, tile_out, result);
+                      });
+  if (from < M)
+    amx_int4_product(x.narrow(0, from, M - from), w_ptr, sc_ptr, mn_ptr, N, group_size,
+                     out_ptr + from * N);
+  return out;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
