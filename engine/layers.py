@@ -191,6 +191,21 @@ class MatmulLayer(QuantizableWeight):
             return fixed_tiles(self._product, x, bias)
         return at_least_two_rows(self._product, x, bias)
 
+    def silu_mul_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SwiGLU's ``silu(gate) * up`` of this gate-and-up layer's product of x (the gate the
+        first half of its outputs, the up the second), in x's dtype, in one call of
+        ``splitfuse_cpu::int4_silu_mul`` (the same bits as the product, its rounding to x's
+        dtype and ``silu_mul_rows``): 4-bit weights packed for the CPU's integer products, no
+        bias, outside deterministic mode, halves of whole 16-column blocks. None elsewhere."""
+        half = self.int4_out_features // 2
+        if not half or half % 16 or self.bias is not None or self.deterministic:
+            return None
+        rows = x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous()
+        act = torch.ops.splitfuse_cpu.int4_silu_mul(
+            rows, self.qweight, self.qscales, self.qmins, half, self.quant_group_size
+        )
+        return act.to(x.dtype)
+
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quant_bits:
             if x.is_cuda:  # Triton, in x's dtype with float32 sums

@@ -6,7 +6,8 @@ only when asked for. Both have the shape of ``AttentionBackend``: ``plan`` once 
 indices; ``operator_step`` gives it as tensors alone where a graph can take it so), ``rope`` once
 per step, then per layer ``rms_norm``, ``rotary``, ``attend`` (the K/V
 store and paged attention; ``store_kv`` and ``paged_attention`` are its two halves) and
-``silu_mul`` (SwiGLU's activation), and in
+``silu_mul`` (SwiGLU's activation; ``silu_mul_product`` the same of a gate-and-up layer's
+product in one call where the backend has one for its weights, else None), and in
 mixture-of-experts layers ``moe_experts`` (``kernels/torch_moe.py``).
 """
 
@@ -77,6 +78,8 @@ class AttentionBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def silu_mul_product(self, layer: Any, x: torch.Tensor) -> torch.Tensor | None: ...
 
     def moe_experts(
         self,

@@ -39,6 +39,12 @@ step's prompt tokens may go on AMX tiles instead, x and the weight's values roun
 (``int4_tiles_reference``): ``int4_tile_rows(row)`` says from which row on, for the calls of the
 thread inside it.
 
+``int4_silu_mul(x, packed, scales, mins, intermediate, group_size)``: SwiGLU's ``silu(gate) * up``
+of x times a gate-and-up 4-bit weight (the gate's ``intermediate`` outputs first) in x's dtype,
+float32 or bfloat16: ``silu_mul_rows(int4_linear(...).to(x.dtype))``, the same bits, in one
+parallel region whose products stay in the threads' caches (a prompt chunk's gate and up: 1.38
+-> 1.18 ms).
+
 ``int8_linear(x, packed, scales, out_features, group_size)``: the same for an 8-bit weight
 packed as ``PackedInt8`` (the embedding and LM head of a model whose products run
 ``int4_linear``).
@@ -256,6 +262,10 @@ def load() -> str:
             @torch.library.register_fake("splitfuse_cpu::silu_mul_rows")
             def _fake_silu_mul_rows(gate_up):  # type: ignore[no-untyped-def]
                 return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+            @torch.library.register_fake("splitfuse_cpu::int4_silu_mul")
+            def _fake_int4_silu_mul(x, packed, scales, mins, intermediate, group_size):  # type: ignore[no-untyped-def]
+                return x.new_empty((x.shape[0], intermediate))
 
             @torch.library.register_fake("splitfuse_cpu::blocked_linear")
             def _fake_blocked_linear(x, weight, bias):  # type: ignore[no-untyped-def]

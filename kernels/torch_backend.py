@@ -21,7 +21,7 @@ tensor math that the compiler traces and fuses.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -266,6 +266,15 @@ class TorchBackend:
             return torch.ops.splitfuse_cpu.silu_mul_rows(gate_up.contiguous())
         intermediate = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+
+    def silu_mul_product(self, layer: Any, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu_mul(layer(x))`` of a gate-and-up layer in one C++ call where the row operators
+        run (``_row_ops``) and the layer's weights have one (``silu_mul_product`` of
+        ``engine/layers.py``: 4-bit CPU weights); the same bits. None elsewhere."""
+        if not self._row_ops(x):
+            return None
+        act: torch.Tensor | None = layer.silu_mul_product(x)
+        return act
 
     def _row_ops(self, x: torch.Tensor) -> bool:
         """Whether the norms, rotary and SiLU of ``x``'s rows run the C++ operators

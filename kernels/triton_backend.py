@@ -11,6 +11,7 @@ which costs no sync.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +175,10 @@ class TritonBackend:
         up), in PyTorch."""
         intermediate = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+
+    def silu_mul_product(self, layer: Any, x: torch.Tensor) -> torch.Tensor | None:
+        """None: the product and ``silu_mul`` run apart here."""
+        return None
 
     def moe_experts(
         self,

@@ -153,8 +153,12 @@ class MLP(nn.Module):
         self.local_size = self.gate_up_proj.local_output_sizes[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * local_size]: gate, then up
-        return self.down_proj(self.backend.silu_mul(gate_up))
+        # (one fused call where the backend has one for the weights)
+        act = self.backend.silu_mul_product(self.gate_up_proj, x)
+        if act is None:
+            gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * local_size]: gate, then up
+            act = self.backend.silu_mul(gate_up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

@@ -56,6 +56,7 @@
 #include "fixed_order_attention.h"
 #include "float16_bits.h"
 #include "greedy_argmax.h"
+#include "int4_amx.h"
 #include "int4_linear.h"
 
 #include <algorithm>
@@ -1305,6 +1306,123 @@ at::Tensor silu_mul_rows(const at::Tensor& gate_up) {
   return out;
 }
 
+// SwiGLU's silu(gate) * up of x times a gate-and-up 4-bit weight [2I, K] (packed as
+// int4_linear's, the gate's I output columns first), in x's dtype: what int4_linear, then the
+// rounding to x's dtype, then silu_mul_rows compute, the same bits, in one parallel region.
+// Each thread takes pairs of the gate's column blocks, multiplies them and the up's blocks I
+// apart into float32 scratch that stays in its caches (integer rows as int4_linear, a step's
+// prompt rows on AMX tiles where int4_linear would put them), and writes their SiLU at once:
+// the [M, 2I] float32 product, its bfloat16 copy and their reading back never reach memory.
+at::Tensor int4_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& mins, int64_t intermediate, int64_t group_size) {
+  constexpr const char* name = "int4_silu_mul";
+  check_rows_dtype(name, x);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be a contiguous [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), I = intermediate;
+  TORCH_CHECK(K > 0 && K % 32 == 0, name, ": K=", K, " must be a multiple of 32");
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0, name,
+              ": group_size ", group_size, " must be a multiple of 32 dividing K=", K);
+  TORCH_CHECK(I > 0 && I % kCols == 0, name, ": intermediate=", I, " must be a multiple of 16");
+  const int64_t gate_blocks = I / kCols, groups = K / group_size;
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.device().is_cpu() && packed.size(0) == 2 * gate_blocks &&
+                  packed.size(1) == K * 8,
+              name, ": packed must be contiguous uint8 [", 2 * gate_blocks, ", ", K * 8, "]");
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == 2 * gate_blocks && t->size(1) == groups && t->size(2) == kCols &&
+                    t->device().is_cpu(),
+                name, ": scales and mins must be contiguous float16 [", 2 * gate_blocks, ", ",
+                groups, ", 16]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor out = at::empty({M, I}, x.options());
+  if (M == 0) return out;
+  const auto& int4 = splitfuse_int4::int4_kernels();
+  const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
+  const auto* sc_ptr = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mn_ptr = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  // rows [0, from) as int4_linear's integer products, [from, M) on its tiles
+  const int64_t from =
+      splitfuse_int4::amx_ready() ? std::min(M, splitfuse_int4::tile_rows_from()) : M;
+  const int64_t runs = K / 32;
+  std::unique_ptr<float[]> rounded(new float[from * K / 4 + 2 * from * runs + 1]);
+  int8_t* q = reinterpret_cast<int8_t*>(rounded.get());
+  float* d = rounded.get() + from * K / 4;
+  float* s = d + from * runs;
+  const int64_t row_grain = std::max<int64_t>(1, 16384 / K);
+  at::parallel_for(0, from, row_grain, [&](int64_t begin, int64_t end) {
+    if (bf16)
+      int4.quantize_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), K, begin,
+                         end, q, d, s);
+    else
+      int4.quantize_floats(x.data_ptr<float>(), K, begin, end, q, d, s);
+  });
+  const int64_t tiled = M - from, padded = (tiled + 15) / 16 * 16;
+  at::Tensor tile_rows;  // bfloat16 rows [padded, K], the padding zeros (as int4_linear's)
+  if (tiled > 0) {
+    tile_rows = x.narrow(0, from, tiled);
+    if (!bf16 || padded != tiled) {
+      tile_rows = at::zeros({padded, K}, x.options().dtype(at::kBFloat16));
+      tile_rows.narrow(0, 0, tiled).copy_(x.narrow(0, from, tiled));
+    }
+  }
+  const uint16_t* x16 =
+      tiled > 0 ? reinterpret_cast<const uint16_t*>(tile_rows.data_ptr<at::BFloat16>()) : nullptr;
+  constexpr int64_t kPair = 2;  // gate blocks a unit (the tiles multiply two at a time)
+  const int64_t rows_most = std::max(from, tiled);
+  at::parallel_for(0, (gate_blocks + kPair - 1) / kPair, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float tile_out[16 * 16];
+    // the gate's and the up's products of a unit's columns, then (float32 rows) the SiLU
+    std::unique_ptr<float[]> scratch(new float[3 * rows_most * kPair * kCols]);
+    float* gate = scratch.get();
+    float* up = gate + rows_most * kPair * kCols;
+    float* act = up + rows_most * kPair * kCols;
+    uint16_t* panels = tiled > 0 ? splitfuse_int4::amx_panel_scratch(K) : nullptr;
+    TORCH_CHECK(tiled == 0 || panels != nullptr, name, ": out of memory for ", 2 * K * kCols,
+                " values");
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t g = unit * kPair, nb = std::min(kPair, gate_blocks - g), W = nb * kCols;
+      // the blocks [b, b + nb) of the weight as a weight of W columns
+      const auto at_block = [&](int64_t b) {
+        return std::tuple{w_ptr + b * K * 8, sc_ptr + b * groups * kCols,
+                          mn_ptr + b * groups * kCols};
+      };
+      const auto [gw, gs, gm] = at_block(g);
+      const auto [uw, us, um] = at_block(gate_blocks + g);
+      // rows [r0, r1) of the products in gate and up (W apart): SiLU into out
+      const auto activate = [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          float* gr = gate + (r - r0) * W;
+          float* ur = up + (r - r0) * W;
+          round_into(gr, gr, W, bf16);
+          round_into(ur, ur, W, bf16);
+          if (bf16) {
+            silu_mul(gr, ur, act, W, true);
+            auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * I + g * kCols;
+            for (int64_t c = 0; c < W; ++c) o[c] = bf16_bits(act[c]);
+          } else {
+            silu_mul(gr, ur, out.data_ptr<float>() + r * I + g * kCols, W, false);
+          }
+        }
+      };
+      if (from > 0) {
+        int4.columns(q, d, s, from, K, W, gw, gs, gm, group_size, 0, nb, tile_out, gate);
+        int4.columns(q, d, s, from, K, W, uw, us, um, group_size, 0, nb, tile_out, up);
+        activate(0, from);
+      }
+      if (tiled > 0) {
+        splitfuse_int4::amx_int4_columns(x16, tiled, K, W, gw, gs, gm, group_size, 0, nb, panels,
+                                         tile_out, gate);
+        splitfuse_int4::amx_int4_columns(x16, tiled, K, W, uw, us, um, group_size, 0, nb, panels,
+                                         tile_out, up);
+        activate(from, M);
+      }
+    }
+    if (tiled > 0) splitfuse_int4::amx_release();
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
@@ -1318,10 +1436,13 @@ TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
         "(Tensor, Tensor)");
   m.def("rotary_rows(Tensor heads, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul_rows(Tensor gate_up) -> Tensor");
+  m.def("int4_silu_mul(Tensor x, Tensor packed, Tensor scales, Tensor mins, int intermediate, "
+        "int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {
   m.impl("rms_norm_rows", rms_norm_rows);
   m.impl("rotary_rows", rotary_rows);
   m.impl("silu_mul_rows", silu_mul_rows);
+  m.impl("int4_silu_mul", int4_silu_mul);
 }

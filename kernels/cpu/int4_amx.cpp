@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 namespace {
 
@@ -64,6 +65,17 @@ struct alignas(64) TileConfig {
 bool splitfuse_int4::amx_ready() {
   static const bool ready = ask_for_amx();
   return ready;
+}
+
+uint16_t* splitfuse_int4::amx_panel_scratch(int64_t K) {
+  thread_local std::unique_ptr<uint16_t, decltype(&std::free)> buffer{nullptr, &std::free};
+  thread_local int64_t held = 0;
+  const int64_t needed = 2 * K * 16;
+  if (held < needed) {
+    buffer.reset(static_cast<uint16_t*>(std::aligned_alloc(64, needed * sizeof(uint16_t))));
+    held = buffer == nullptr ? 0 : needed;
+  }
+  return buffer.get();
 }
 
 void splitfuse_int4::amx_release() {

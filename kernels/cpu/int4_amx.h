@@ -26,6 +26,10 @@ void amx_int4_columns(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
                       int64_t group_size, int64_t block_begin, int64_t block_end,
                       uint16_t* panels, float* tile_out, float* out);
 
+// The calling thread's scratch for amx_int4_columns' panels (2 * K * 16 uint16, 64-byte
+// aligned), kept from call to call; nullptr where it cannot be allocated.
+uint16_t* amx_panel_scratch(int64_t K);
+
 // Gives the tiles' state back (after a thread's last amx_*_columns of a call).
 void amx_release();
 

@@ -241,20 +241,6 @@ at::Tensor packed_product(const at::Tensor& x, int64_t N, int64_t blocks, Column
   return out;
 }
 
-// A thread's scratch for two panels of K values of 16 columns (amx_int4_columns), 64-byte
-// aligned, kept from call to call
-uint16_t* panel_scratch(int64_t K) {
-  thread_local std::unique_ptr<uint16_t, decltype(&std::free)> buffer{nullptr, &std::free};
-  thread_local int64_t held = 0;
-  const int64_t needed = 2 * K * 16;
-  if (held < needed) {
-    buffer.reset(static_cast<uint16_t*>(std::aligned_alloc(64, needed * sizeof(uint16_t))));
-    TORCH_CHECK(buffer != nullptr, "int4_linear: out of memory for ", needed, " values");
-    held = needed;
-  }
-  return buffer.get();
-}
-
 // out_ptr's rows [0, M) of N float32 = x's rows on AMX tiles: x as bfloat16 bits in rows padded
 // to a multiple of 16 (the padding zeros), the threads sharing pairs of column blocks
 void amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uint16_t* sc_ptr,
@@ -269,9 +255,10 @@ void amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uint16_t*
   const int64_t blocks = (N + 15) / 16;
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float tile_out[16 * 16];
+    uint16_t* panels = splitfuse_int4::amx_panel_scratch(K);
+    TORCH_CHECK(panels != nullptr, "int4_linear: out of memory for ", 2 * K * 16, " values");
     splitfuse_int4::amx_int4_columns(x16, M, K, N, w_ptr, sc_ptr, mn_ptr, group_size, 2 * begin,
-                                     std::min(blocks, 2 * end), panel_scratch(K), tile_out,
-                                     out_ptr);
+                                     std::min(blocks, 2 * end), panels, tile_out, out_ptr);
     splitfuse_int4::amx_release();
   });
 }
@@ -279,6 +266,12 @@ void amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uint16_t*
 // the calling thread's first row of prompt tokens (set_int4_tile_from); kNoTileRows: none
 constexpr int64_t kNoTileRows = INT64_MAX;
 thread_local int64_t tile_from_row = kNoTileRows;
+
+}  // namespace
+
+int64_t splitfuse_int4::tile_rows_from() { return tile_from_row; }
+
+namespace {
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t out_features, int64_t group_size) {

@@ -31,4 +31,8 @@ struct Int4Kernels {
 // Picked once, at load (SPLITFUSE_CPU_ISA=avx512, avx2 or sse2 asks for a narrower body).
 const Int4Kernels& int4_kernels();
 
+// The first row of a step's prompt tokens for the calling thread's products (int4_linear.cpp,
+// set_int4_tile_from); INT64_MAX where none is set.
+int64_t tile_rows_from();
+
 }  // namespace splitfuse_int4

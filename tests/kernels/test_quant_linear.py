@@ -327,6 +327,37 @@ def test_activations_round_to_int8_in_runs_of_32():
     assert quantize_activations(ties)[0][0, :5].tolist() == [127, 0, 2, 2, 0]
 
 
+@pytest.mark.parametrize("intermediate,num_in,group_size", [(48, 64, 32), (80, 128, 64), (16, 96, 96)])
+def test_the_fused_gate_up_and_silu_give_the_bits_of_the_three_steps(
+    intermediate, num_in, group_size
+):
+    """``int4_silu_mul`` = ``silu_mul_rows(int4_linear(x).to(x.dtype))`` bit for bit: float32
+    and bfloat16 rows, pairs of column blocks and one alone (48 = 3 blocks), prompt rows on the
+    tiles from any row (where the CPU has them) or none."""
+    if load() == "torch":
+        pytest.skip("the C++ operators are not built here")
+    ops = torch.ops.splitfuse_cpu
+    torch.manual_seed(intermediate)
+    packed = PackedInt4.pack(quantize(torch.randn(2 * intermediate, num_in) * 0.1, 4, group_size))
+    weight = packed.packed, packed.scales, packed.mins
+    for num_rows in (1, 17, 40):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(num_rows, num_in) * 2).to(dtype)
+            for first in (None, 0, num_rows // 2, num_rows):
+                with int4_tile_rows(first):
+                    products = ops.int4_linear(x, *weight, 2 * intermediate, group_size)
+                    want = ops.silu_mul_rows(products.to(dtype))
+                    got = ops.int4_silu_mul(x, *weight, intermediate, group_size)
+                assert got.dtype == dtype and torch.equal(got, want)
+    x = torch.randn(2, num_in)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.int4_silu_mul(x, *weight, intermediate - 8, group_size)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ops.int4_silu_mul(x, *weight, intermediate + 16, group_size)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.int4_silu_mul(x.double(), *weight, intermediate, group_size)
+
+
 def test_the_products_refuse_what_they_cannot_read():
     load()
     quantized = quantize(torch.randn(8, 64), 8, 32)
