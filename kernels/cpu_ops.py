@@ -58,8 +58,11 @@ its context_lens[r] positions, read through row r of block_tables. Decode rows g
 fixed-order kernel, all in one call; each prompt chunk gathers its context and calls SDPA (by
 query chunks of 64 from 128 tokens on, as ``kernels/torch_attention.py``, except for a chunk
 with nothing cached before it where torch's flash kernel multiplies on AMX tiles: one causal
-call; ``attends_whole(dtype)`` says where, for the eager path to decide alike). Every input is
-checked before the cache is written.
+call; ``attends_whole(dtype)`` says where, for the eager path to decide alike). bfloat16 prompt
+chunks with heads of 64 attend on AMX tiles instead where the CPU has them (``prompt_tiles``:
+``kernels/cpu/prompt_attention_amx.cpp``, a token's result the same bits however its prompt is
+chunked), and ``prompt_attention(query, key_rows, value_rows, slots, scale)`` gives the eager
+path that same kernel for one chunk. Every input is checked before the cache is written.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ _SOURCES = (
     "blocked_linear.cpp",
     "int4_linear.cpp",
     "int4_amx.cpp",
+    "prompt_attention_amx.cpp",
     "graph_call.cpp",
     "decode_stack.cpp",
     "greedy_argmax.cpp",
@@ -247,6 +251,10 @@ def load() -> str:
             def _fake_store_and_attend_step(query, key, value, kv_cache, layer, *args):  # type: ignore[no-untyped-def]
                 return query.new_empty(query.shape)
 
+            @torch.library.register_fake("splitfuse_cpu::prompt_attention")
+            def _fake_prompt_attention(query, key_rows, value_rows, slots, scale):  # type: ignore[no-untyped-def]
+                return query.new_empty(query.shape)
+
             @torch.library.register_fake("splitfuse_cpu::greedy_argmax")
             def _fake_greedy_argmax(logits):  # type: ignore[no-untyped-def]
                 return logits.new_empty((logits.shape[0],), dtype=torch.int64)
@@ -289,6 +297,15 @@ def attends_whole(dtype: torch.dtype) -> bool:
     if dtype not in (torch.bfloat16, torch.float16) or load() == "torch":
         return False
     return bool(torch.ops.splitfuse_cpu.attends_whole(dtype))
+
+
+@functools.cache
+def prompt_tiles(head_dim: int) -> bool:
+    """Whether bfloat16 prompt chunks with heads of ``head_dim`` values attend on AMX tiles
+    here (``store_and_attend_step``, and ``prompt_attention`` for the eager path): the C++
+    operators are built, the CPU has AMX-BF16, the OS lends the tiles, ``SPLITFUSE_CPU_ISA`` is
+    not set, and head_dim is 64."""
+    return load() != "torch" and bool(torch.ops.splitfuse_cpu.prompt_tiles(head_dim))
 
 
 def has_int4_tiles() -> bool:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.checks import KernelInputError
-from kernels.cpu_ops import attends_whole
+from kernels.cpu_ops import attends_whole, prompt_tiles
 
 __all__ = ["AttentionPlan", "paged_attention", "plan_paged_attention"]
 
@@ -84,6 +84,10 @@ class PromptGroup:
     # (first query slot, end, context length it reads, mask [num_rows, 1, end - first, length])
     # per query chunk; () when the group attends in one call
     query_chunks: tuple[tuple[int, int, int, torch.Tensor], ...] = ()
+    # (first token, query tokens, slots int64 [context_len]) per row, where the plan may hand
+    # its rows to the C++ operator (``cpu_kernel``): bfloat16 queries there attend on AMX tiles
+    # row by row (``prompt_tiles``), as ``store_and_attend_step`` does; () elsewhere
+    rows: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,9 @@ def plan_paged_attention(
         for rows in _decode_groups(decode_rows, ctx_lens, block_size)
     )
     prompts = tuple(
-        _plan_prompt_group(rows, starts, ctx_lens, tables, block_size, heads, deterministic)
+        _plan_prompt_group(
+            rows, starts, ctx_lens, tables, block_size, heads, deterministic, cpu_kernel
+        )
         for rows in _prompt_groups(prompt_rows, ctx_lens, block_size)
     )
     return AttentionPlan(
@@ -295,6 +301,7 @@ def _plan_prompt_group(
     block_size: int,
     heads: torch.Tensor,  # [num_kv_heads, 1] int64
     deterministic: bool,
+    cpu_kernel: bool = False,
 ) -> PromptGroup:
     device = tables.device
     q_lens = [starts[row + 1] - starts[row] for row in rows]
@@ -341,6 +348,12 @@ def _plan_prompt_group(
         valid = slice(0, len(tokens))
     if tokens == list(range(tokens[0], tokens[0] + len(tokens))):
         token_index = slice(tokens[0], tokens[0] + len(tokens))
+    row_spans = ()
+    if cpu_kernel and not deterministic and tables.device.type == "cpu":
+        row_spans = tuple(
+            (starts[row], q, slots[i, :n].contiguous())
+            for i, (row, q, n) in enumerate(zip(rows, q_lens, lengths, strict=True))
+        )
     return PromptGroup(
         query_rows.reshape(-1),
         kv_rows,
@@ -351,6 +364,7 @@ def _plan_prompt_group(
         padded_q,
         padded_len,
         tuple(query_chunks),
+        row_spans,
     )
 
 
@@ -408,7 +422,9 @@ def paged_attention(
         if plan.deterministic:
             _attend_prompt_group_fixed_order(query, key_rows, value_rows, prompts, scale, out)
         else:
-            _attend_prompt_group(query, key_rows, value_rows, prompts, scale, out)
+            _attend_prompt_group(
+                query, key_rows, value_rows, prompts, scale, out, plan.num_kv_heads
+            )
     return out
 
 
@@ -487,10 +503,20 @@ def _attend_prompt_group(
     group: PromptGroup,
     scale: float,
     out: torch.Tensor,
+    num_kv_heads: int,
 ) -> None:
     """Prompt chunks at once: query i of a row (position ctx_len - q_len + i) sees positions
     0 .. its own."""
     num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
+    if group.rows and query.dtype == torch.bfloat16 and prompt_tiles(head_dim):
+        # each row on AMX tiles, reading the caches in place
+        keys_by_slot = key_rows.view(-1, num_kv_heads, head_dim)
+        values_by_slot = value_rows.view(-1, num_kv_heads, head_dim)
+        for first, q_len, slots in group.rows:
+            out[first : first + q_len] = torch.ops.splitfuse_cpu.prompt_attention(
+                query[first : first + q_len], keys_by_slot, values_by_slot, slots, scale
+            )
+        return
     queries, keys, values = _gather_prompt_group(query, key_rows, value_rows, group)
     gqa = num_heads != keys.shape[1]
     # whole prompts with nothing cached: in one causal call where the C++ operator makes one

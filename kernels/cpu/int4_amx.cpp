@@ -52,13 +52,6 @@ bool ask_for_amx() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
 
 }  // namespace
 
@@ -87,15 +80,29 @@ void splitfuse_int4::amx_release() {
 
 namespace {
 
-// every tile 16 rows of 64 bytes: 0-3 sums, 4-5 rows of x, 6-7 panels (multiply_panels)
-void configure_tiles() {
+// the tiles' configuration as LDTILECFG reads it (palette 1): each tile's rows and bytes a row
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+}  // namespace
+
+void splitfuse_int4::configure_full_tiles() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.bytes_per_row[t] = 64;
     config.rows[t] = 16;
   }
-  _tile_loadconfig(&config);
+  // (LDTILECFG by hand: the intrinsic tells the compiler it reads 8 bytes of the 64, and then
+  // the stores of the rows and their bytes are dropped as dead)
+  __asm__ volatile("ldtilecfg %0" ::"m"(config));
 }
+
+namespace {
 
 inline __m512 load_halves(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -200,7 +207,8 @@ void splitfuse_int4::amx_int4_columns(const uint16_t* x16, int64_t M, int64_t K,
                                       const uint16_t* mins, int64_t group_size,
                                       int64_t block_begin, int64_t block_end, uint16_t* panels,
                                       float* tile_out, float* out) {
-  configure_tiles();
+  // every tile 16 rows of 64 bytes: 0-3 sums, 4-5 rows of x, 6-7 panels (multiply_panels)
+  configure_full_tiles();
   const int64_t groups = K / group_size;
   uint16_t* p0 = panels;
   uint16_t* p1 = panels + K * kCols;

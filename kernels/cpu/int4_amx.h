@@ -26,6 +26,9 @@ void amx_int4_columns(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
                       int64_t group_size, int64_t block_begin, int64_t block_end,
                       uint16_t* panels, float* tile_out, float* out);
 
+// Configures the calling thread's 8 tiles as 16 rows of 64 bytes each (palette 1).
+void configure_full_tiles();
+
 // The calling thread's scratch for amx_int4_columns' panels (2 * K * 16 uint16, 64-byte
 // aligned), kept from call to call; nullptr where it cannot be allocated.
 uint16_t* amx_panel_scratch(int64_t K);

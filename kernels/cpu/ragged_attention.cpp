@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include "fixed_order_attention.h"
+#include "prompt_attention_amx.h"
 
 #include <algorithm>
 #include <array>
@@ -218,6 +219,74 @@ void attend_prompt(const at::Tensor& query, const at::Tensor& keys, const at::Te
   }
 }
 
+// A prompt chunk's rows on AMX tiles (prompt_attention_amx.h): query [q_len, num_heads, 64]
+// bfloat16 (rows query.stride(0) apart, heads contiguous), its context's K/V at `slots` (int64
+// [context_len], the chunk the last q_len positions) of key_rows and value_rows [num_slots,
+// num_kv_heads, 64], read in place from a bfloat16 cache and widened first from any other;
+// the result into out_rows [q_len, num_heads, 64] bfloat16 (rows out_rows.stride(0) apart).
+void attend_prompt_tiles(const at::Tensor& query, const at::Tensor& key_rows,
+                         const at::Tensor& value_rows, const at::Tensor& slots, double scale,
+                         at::Tensor& out_rows) {
+  const int64_t context_len = slots.size(0), num_kv_heads = key_rows.size(1);
+  const int64_t head_dim = key_rows.size(2);
+  at::Tensor keys = key_rows, values = value_rows, positions = slots;
+  if (key_rows.scalar_type() != at::kBFloat16) {  // widened first, then read in order
+    if (key_rows.scalar_type() == at::kFloat8_e4m3fn) {
+      keys = gather_float8_context(key_rows, slots, at::kBFloat16)[0].transpose(0, 1);
+      values = gather_float8_context(value_rows, slots, at::kBFloat16)[0].transpose(0, 1);
+    } else {
+      keys = key_rows.index_select(0, slots).to(at::kBFloat16);
+      values = value_rows.index_select(0, slots).to(at::kBFloat16);
+    }
+    keys = keys.contiguous();
+    values = values.contiguous();
+    positions = at::arange(context_len, at::kLong);
+  }
+  const auto bits = [](const at::Tensor& t) {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+  };
+  splitfuse_prompt_amx::attend(bits(query), query.stride(0), bits(keys), bits(values),
+                               positions.data_ptr<int64_t>(), num_kv_heads * head_dim,
+                               query.size(0), context_len, query.size(1), num_kv_heads,
+                               static_cast<float>(scale), bits(out_rows), out_rows.stride(0));
+}
+
+// splitfuse_cpu::prompt_attention: one prompt chunk's attention as store_and_attend_step makes
+// it on AMX tiles (attend_prompt_tiles), for the eager path (kernels/torch_attention.py) to
+// give the same bits: query [q_len, num_heads, 64] bfloat16, key_rows and value_rows [num_slots,
+// num_kv_heads, 64] (a layer's caches), slots int64 [context_len >= q_len].
+at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key_rows,
+                            const at::Tensor& value_rows, const at::Tensor& slots,
+                            double scale) {
+  constexpr const char* op = "prompt_attention";
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.device().is_cpu() &&
+                  query.stride(2) == 1 && query.stride(1) == query.size(2),
+              op, ": query must be a bfloat16 CPU tensor [q_len, num_heads, head_dim] with "
+              "contiguous heads");
+  TORCH_CHECK(splitfuse_prompt_amx::ready(query.size(2)), op,
+              ": runs on CPUs with AMX-BF16 tiles, heads of 64 values (prompt_tiles())");
+  TORCH_CHECK(key_rows.dim() == 3 && key_rows.is_contiguous() && key_rows.device().is_cpu() &&
+                  value_rows.sizes() == key_rows.sizes() && value_rows.is_contiguous() &&
+                  value_rows.scalar_type() == key_rows.scalar_type() &&
+                  key_rows.size(2) == query.size(2) && key_rows.size(1) > 0 &&
+                  query.size(1) % key_rows.size(1) == 0 &&
+                  (is_attention_dtype(key_rows.scalar_type()) ||
+                   key_rows.scalar_type() == at::kFloat8_e4m3fn),
+              op, ": key_rows and value_rows must be contiguous CPU caches [num_slots, "
+              "num_kv_heads, head_dim] of one dtype, their heads dividing the query's");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.size(0) >= query.size(0),
+              op, ": slots must be contiguous int64 [context_len], context_len >= q_len");
+  if (slots.numel() > 0) {
+    const int64_t low = slots.min().item<int64_t>(), high = slots.max().item<int64_t>();
+    TORCH_CHECK(low >= 0 && high < key_rows.size(0), op, ": slots read [", low, ", ", high,
+                "] of ", key_rows.size(0));
+  }
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  attend_prompt_tiles(query, key_rows, value_rows, slots, scale, out);
+  return out;
+}
+
 at::Tensor store_and_attend_step(const at::Tensor& query, const at::Tensor& key,
                                  const at::Tensor& value, at::Tensor& kv_cache, int64_t layer,
                                  const at::Tensor& slots, const at::Tensor& block_tables,
@@ -267,8 +336,18 @@ at::Tensor store_and_attend_step(const at::Tensor& query, const at::Tensor& key,
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const bool float8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
   const at::ScalarType dtype = query.scalar_type();
+  // bfloat16 prompt chunks on AMX tiles where the CPU has them (prompt_attention_amx.h),
+  // reading a bfloat16 cache in place
+  const bool tiles = dtype == at::kBFloat16 && splitfuse_prompt_amx::ready(head_dim);
   for (const int64_t r : prompt_rows) {
     const at::Tensor slots = context_slots(tables + r * max_blocks, block_size, ctx_lens[r]);
+    if (tiles) {
+      const int64_t first = starts[r], q_len = starts[r + 1] - first;
+      at::Tensor rows = out.narrow(0, first, q_len);
+      attend_prompt_tiles(query.narrow(0, first, q_len), key_rows, value_rows, slots, scale,
+                          rows);
+      continue;
+    }
     at::Tensor keys, values;
     if (float8) {
       keys = gather_float8_context(key_rows, slots, dtype);
@@ -289,10 +368,16 @@ TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
         "int layer, Tensor slots, Tensor block_tables, Tensor query_start, Tensor context_lens, "
         "float scale) -> Tensor");
   // whether a prompt chunk with nothing cached attends in one causal call here (whole_causal)
+  m.def("prompt_attention(Tensor query, Tensor key_rows, Tensor value_rows, Tensor slots, "
+        "float scale) -> Tensor");
+  // whether prompt chunks of heads of head_dim values attend on AMX tiles here
+  m.def("prompt_tiles(int head_dim) -> bool",
+        [](int64_t head_dim) { return splitfuse_prompt_amx::ready(head_dim); });
   m.def("attends_whole(ScalarType dtype) -> bool",
         [](c10::ScalarType dtype) { return whole_causal(dtype); });
 }
 
 TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {
   m.impl("store_and_attend_step", store_and_attend_step);
+  m.impl("prompt_attention", prompt_attention);
 }

@@ -13,7 +13,7 @@ import torch
 from kernel_reference import make_ragged_batch, reference_attention
 
 from engine.device import cpu_flags
-from kernels.cpu_ops import attends_whole, has_fixed_order_attention
+from kernels.cpu_ops import attends_whole, has_fixed_order_attention, prompt_tiles
 from kernels.torch_attention import paged_attention, plan_paged_attention
 
 pytestmark = pytest.mark.skipif(
@@ -64,9 +64,10 @@ def _store_and_attend_step(batch, query, key, value, kv_cache, slots):
     )  # fmt: skip
 
 
-def _python_path(batch, query, key, value, kv_cache, slots):
+def _python_path(batch, query, key, value, kv_cache, slots, cpu_kernel=False):
     """The step stored with ``index_copy_`` into a copy of ``kv_cache``, then attended by
-    ``paged_attention`` (SDPA for every row): (result, the cache after)."""
+    ``paged_attention`` (SDPA for every row; with ``cpu_kernel`` the C++ kernels where the plan
+    hands them rows): (result, the cache after)."""
     kv_cache = kv_cache.clone()
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     key_cache, value_cache = kv_cache[0]
@@ -75,7 +76,7 @@ def _python_path(batch, query, key, value, kv_cache, slots):
         cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots[stored], rows[stored])
     plan = plan_paged_attention(
         batch.query_start, batch.context_lens, batch.block_tables, block_size=16,
-        num_kv_heads=num_kv_heads, num_tokens=query.shape[0], cpu_kernel=False,
+        num_kv_heads=num_kv_heads, num_tokens=query.shape[0], cpu_kernel=cpu_kernel,
     )  # fmt: skip
     return paged_attention(query, key_cache, value_cache, plan, batch.scale), kv_cache
 
@@ -110,13 +111,55 @@ def test_matches_the_python_path_and_a_float64_reference(name, dtype, head_dim):
 def test_a_whole_prompt_attends_as_the_python_path_decides(dtype):
     """A prompt of 200 tokens with nothing cached: in one causal call where torch's flash kernel
     multiplies on AMX tiles (``attends_whole``), else by query chunks; the operator and the Python
-    path decide alike and give the same bits."""
+    path decide alike and give the same bits. bfloat16 on AMX tiles (``prompt_tiles``): the
+    kernel of ``prompt_attention``, which the Python path calls where its plan may hand rows to
+    the C++ operators, and near SDPA's result elsewhere."""
     if dtype == torch.float32 or "amx_bf16" not in cpu_flags():
         assert not attends_whole(dtype)
+        assert not (dtype == torch.bfloat16 and prompt_tiles(64))
     batch, query, key, value, kv_cache, slots = _step([(0, 200)], 9, 3, 64, dtype, seed=7)
-    want, _ = _python_path(batch, query, key, value, kv_cache, slots)
+    tiles = dtype == torch.bfloat16 and prompt_tiles(64)
+    want, _ = _python_path(batch, query, key, value, kv_cache, slots, cpu_kernel=tiles)
     got = _store_and_attend_step(batch, query, key, value, kv_cache, slots)
     assert torch.equal(got, want)
+    if tiles:
+        sdpa, _ = _python_path(batch, query, key, value, kv_cache, slots)
+        _assert_near(got, sdpa, dtype)
+
+
+def test_prompt_chunks_on_amx_tiles_give_a_token_the_same_bits_however_chunked():
+    """``prompt_attention`` (the kernel of bfloat16 prompt chunks on AMX tiles): a token's result
+    over slots out of order is the same bits whether its prompt attends whole or in chunks of any
+    size after a cached prefix (one token alone too), near a float64 reference (grouped heads:
+    9 queries, 3 KV heads); bad inputs are refused."""
+    if not prompt_tiles(64):
+        pytest.skip("prompt chunks attend on AMX tiles only on CPUs with AMX-BF16")
+    torch.manual_seed(3)
+    num_tokens, num_slots = 150, 200
+    query = torch.randn(num_tokens, 9, 64).bfloat16()
+    key_rows = torch.randn(num_slots, 3, 64).bfloat16()
+    value_rows = torch.randn(num_slots, 3, 64).bfloat16()
+    slots = torch.randperm(num_slots)[:num_tokens].contiguous()
+    op = torch.ops.splitfuse_cpu.prompt_attention
+    whole = op(query, key_rows, value_rows, slots, 0.125)
+    for cuts in ((0, 77, 150), (0, 1, 2, 31, 32, 33, 100, 149, 150), (0, 64, 128, 150)):
+        for begin, end in zip(cuts, cuts[1:], strict=False):
+            got = op(query[begin:end], key_rows, value_rows, slots[:end], 0.125)
+            assert torch.equal(got, whole[begin:end])
+    # float64: token i sees positions 0 .. i
+    keys = key_rows[slots].double().repeat_interleave(3, dim=1).transpose(0, 1)  # [9, n, 64]
+    values = value_rows[slots].double().repeat_interleave(3, dim=1).transpose(0, 1)
+    scores = query.double().transpose(0, 1) @ keys.transpose(1, 2) * 0.125  # [9, n, n]
+    causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
+    weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    want = (weights @ values).transpose(0, 1)
+    _assert_near(whole, want, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="slots read"):
+        op(query, key_rows, value_rows, slots + num_slots, 0.125)
+    with pytest.raises(RuntimeError, match="context_len >= q_len"):
+        op(query, key_rows, value_rows, slots[:10], 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(query.float(), key_rows, value_rows, slots, 0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
