@@ -12,7 +12,9 @@
 //     row's cached prefix (is_causal when nothing is cached). A chunk of at least 2 * kQueryChunk
 //     tokens attends in query chunks of kQueryChunk, each over the context its last query sees,
 //     as kernels/torch_attention.py does (QUERY_CHUNK there), but in one causal call where
-//     nothing is cached and torch's flash kernel multiplies on AMX tiles (whole_causal);
+//     nothing is cached and torch's flash kernel multiplies on AMX tiles (whole_causal); on
+//     CPUs with AMX-BF16, bfloat16 chunks with heads of 64 go to our own kernel on the tiles
+//     instead (prompt_attention_amx.h), reading a bfloat16 cache in place;
 //   - rows of no query token: nothing.
 //
 //   block_size 4, a row with block_table [7, 2], context_len 6 and 3 query tokens (3 cached):
