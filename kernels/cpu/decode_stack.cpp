@@ -53,7 +53,6 @@
 #include <sched.h>
 
 #include "blocked_linear.h"
-#include "exp_avx512.h"
 #include "fixed_order_attention.h"
 #include "float16_bits.h"
 #include "greedy_argmax.h"
@@ -234,9 +233,22 @@ inline __m512 round_bf16(__m512 v) {
 }
 
 inline __m512 silu(__m512 x) {
-  const __m512 t = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)),
-                                 _mm512_set1_ps(-87.0f));  // -|x|, clamped
-  const __m512 e = splitfuse_exp::exp_clamped(t);
+  __m512 t = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)),
+                           _mm512_set1_ps(-87.0f));  // -|x|, clamped
+  const __m512 big = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(t, _mm512_set1_ps(1.44269504088896341f), big), big);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 e0 = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i exponent = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 e = _mm512_mul_ps(e0, _mm512_castsi512_ps(exponent));
   const __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
   const __m512 numerator = _mm512_mask_mov_ps(e, positive, _mm512_set1_ps(1.0f));
   // 1 / (1 + e) from VRCP14PS and a Newton step (2^-14 -> within 2^-23 or so), not a division
