@@ -288,6 +288,17 @@ void silu_mul_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int6
   }
 }
 
+// silu_mul_bf16 on float32 products not yet rounded: each rounded to bfloat16 first, as
+// round_into rounds them (int4_silu_mul's rows, in one pass)
+void silu_mul_products(const float* gate, const float* up, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 g = round_bf16(_mm512_maskz_loadu_ps(mask, gate + i));
+    const __m512 u = round_bf16(_mm512_maskz_loadu_ps(mask, up + i));
+    store_bf16(out + i, act(g, u, true), mask);
+  }
+}
+
 }  // namespace silu_avx512
 #pragma GCC pop_options
 
@@ -1394,15 +1405,19 @@ at::Tensor int4_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at
         for (int64_t r = r0; r < r1; ++r) {
           float* gr = gate + (r - r0) * W;
           float* ur = up + (r - r0) * W;
-          round_into(gr, gr, W, bf16);
-          round_into(ur, ur, W, bf16);
-          if (bf16) {
-            silu_mul(gr, ur, act, W, true);
-            auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * I + g * kCols;
-            for (int64_t c = 0; c < W; ++c) o[c] = bf16_bits(act[c]);
-          } else {
+          if (!bf16) {
             silu_mul(gr, ur, out.data_ptr<float>() + r * I + g * kCols, W, false);
+            continue;
           }
+          auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * I + g * kCols;
+          if (kSiluAvx512) {
+            silu_avx512::silu_mul_products(gr, ur, o, W);
+            continue;
+          }
+          round_into(gr, gr, W, true);
+          round_into(ur, ur, W, true);
+          silu_mul(gr, ur, act, W, true);
+          for (int64_t c = 0; c < W; ++c) o[c] = bf16_bits(act[c]);
         }
       };
       if (from > 0) {
