@@ -52,7 +52,6 @@ bool ask_for_amx() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-
 }  // namespace
 
 bool splitfuse_int4::amx_ready() {

@@ -369,12 +369,12 @@ TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
   m.def("store_and_attend_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
         "int layer, Tensor slots, Tensor block_tables, Tensor query_start, Tensor context_lens, "
         "float scale) -> Tensor");
-  // whether a prompt chunk with nothing cached attends in one causal call here (whole_causal)
   m.def("prompt_attention(Tensor query, Tensor key_rows, Tensor value_rows, Tensor slots, "
         "float scale) -> Tensor");
   // whether prompt chunks of heads of head_dim values attend on AMX tiles here
   m.def("prompt_tiles(int head_dim) -> bool",
         [](int64_t head_dim) { return splitfuse_prompt_amx::ready(head_dim); });
+  // whether a prompt chunk with nothing cached attends in one causal call here (whole_causal)
   m.def("attends_whole(ScalarType dtype) -> bool",
         [](c10::ScalarType dtype) { return whole_causal(dtype); });
 }
