@@ -1355,28 +1355,14 @@ at::Tensor int4_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at
   // rows [0, from) as int4_linear's integer products, [from, M) on its tiles
   const int64_t from =
       splitfuse_int4::amx_ready() ? std::min(M, splitfuse_int4::tile_rows_from()) : M;
-  const int64_t runs = K / 32;
-  std::unique_ptr<float[]> rounded(new float[from * K / 4 + 2 * from * runs + 1]);
-  int8_t* q = reinterpret_cast<int8_t*>(rounded.get());
-  float* d = rounded.get() + from * K / 4;
-  float* s = d + from * runs;
-  const int64_t row_grain = std::max<int64_t>(1, 16384 / K);
-  at::parallel_for(0, from, row_grain, [&](int64_t begin, int64_t end) {
-    if (bf16)
-      int4.quantize_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), K, begin,
-                         end, q, d, s);
-    else
-      int4.quantize_floats(x.data_ptr<float>(), K, begin, end, q, d, s);
-  });
-  const int64_t tiled = M - from, padded = (tiled + 15) / 16 * 16;
-  at::Tensor tile_rows;  // bfloat16 rows [padded, K], the padding zeros (as int4_linear's)
-  if (tiled > 0) {
-    tile_rows = x.narrow(0, from, tiled);
-    if (!bf16 || padded != tiled) {
-      tile_rows = at::zeros({padded, K}, x.options().dtype(at::kBFloat16));
-      tile_rows.narrow(0, 0, tiled).copy_(x.narrow(0, from, tiled));
-    }
-  }
+  // the integer rows as int4_linear rounds them, the tile rows as its tiles read them
+  const splitfuse_int4::RoundedRows rounded(x.narrow(0, 0, from));
+  const int8_t* q = rounded.q;
+  const float* d = rounded.d;
+  const float* s = rounded.s;
+  const int64_t tiled = M - from;
+  const at::Tensor tile_rows =
+      tiled > 0 ? splitfuse_int4::tile_rows(x.narrow(0, from, tiled)) : at::Tensor();
   const uint16_t* x16 =
       tiled > 0 ? reinterpret_cast<const uint16_t*>(tile_rows.data_ptr<at::BFloat16>()) : nullptr;
   constexpr int64_t kPair = 2;  // gate blocks a unit (the tiles multiply two at a time)

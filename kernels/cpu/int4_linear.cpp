@@ -124,6 +124,7 @@ static inline vint round_even(vfloat v) { return (vint)_mm_cvtps_epi32((__m128)v
 namespace {
 
 using splitfuse_int4::Int4Kernels;
+using splitfuse_int4::RoundedRows;
 
 #define SF_KERNELS(ns, label)                                                                \
   Int4Kernels {                                                                              \
@@ -155,39 +156,38 @@ const Int4Kernels kernels = pick_kernels();
 
 const Int4Kernels& splitfuse_int4::int4_kernels() { return kernels; }
 
-namespace {
-
-// x [M, K] rounded to int8 in runs of 32 (kernels.quantize_*): values, then per run the scales
-// and the scaled sums, in one allocation (no tensors: three a call, 120 calls a step);
-// uninitialized, as every element is written first (new T[n], not C++20's
-// make_unique_for_overwrite: torch before 2.13 builds as C++17)
-struct RoundedRows {
-  std::unique_ptr<float[]> storage;
-  int8_t* q;
-  float* d;
-  float* s;
-
-  explicit RoundedRows(const at::Tensor& x) {
-    const int64_t M = x.size(0), K = x.size(1), runs = K / 32;
-    storage.reset(new float[M * K / 4 + 2 * M * runs]);
-    q = reinterpret_cast<int8_t*>(storage.get());
-    d = storage.get() + M * K / 4;
-    s = d + M * runs;
-    // a few rows are quantized on the calling thread (a decode step's one row: ~1 us)
-    const int64_t row_grain = std::max<int64_t>(1, 16384 / K);
-    if (x.scalar_type() == at::kFloat) {
-      const float* x_ptr = x.data_ptr<float>();
-      at::parallel_for(0, M, row_grain, [&](int64_t begin, int64_t end) {
-        kernels.quantize_floats(x_ptr, K, begin, end, q, d, s);
-      });
-    } else {
-      const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-      at::parallel_for(0, M, row_grain, [&](int64_t begin, int64_t end) {
-        kernels.quantize_bf16(x_ptr, K, begin, end, q, d, s);
-      });
-    }
+// (uninitialized, as every element is written first: new T[n], not C++20's
+// make_unique_for_overwrite, since torch before 2.13 builds as C++17)
+splitfuse_int4::RoundedRows::RoundedRows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), runs = K / 32;
+  storage.reset(new float[M * K / 4 + 2 * M * runs]);
+  q = reinterpret_cast<int8_t*>(storage.get());
+  d = storage.get() + M * K / 4;
+  s = d + M * runs;
+  // a few rows are quantized on the calling thread (a decode step's one row: ~1 us)
+  const int64_t row_grain = std::max<int64_t>(1, 16384 / K);
+  if (x.scalar_type() == at::kFloat) {
+    const float* x_ptr = x.data_ptr<float>();
+    at::parallel_for(0, M, row_grain, [&](int64_t begin, int64_t end) {
+      kernels.quantize_floats(x_ptr, K, begin, end, q, d, s);
+    });
+  } else {
+    const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    at::parallel_for(0, M, row_grain, [&](int64_t begin, int64_t end) {
+      kernels.quantize_bf16(x_ptr, K, begin, end, q, d, s);
+    });
   }
-};
+}
+
+at::Tensor splitfuse_int4::tile_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), padded = (M + 15) / 16 * 16;
+  if (x.scalar_type() == at::kBFloat16 && padded == M) return x;
+  at::Tensor rows = at::zeros({padded, K}, x.options().dtype(at::kBFloat16));
+  rows.narrow(0, 0, M).copy_(x);  // (float32 rounded to nearest even)
+  return rows;
+}
+
+namespace {
 
 // The checks both operators make of x, K and group_size.
 void check_rows(const char* name, const at::Tensor& x, int64_t group_size) {
@@ -245,12 +245,8 @@ at::Tensor packed_product(const at::Tensor& x, int64_t N, int64_t blocks, Column
 // to a multiple of 16 (the padding zeros), the threads sharing pairs of column blocks
 void amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uint16_t* sc_ptr,
                       const uint16_t* mn_ptr, int64_t N, int64_t group_size, float* out_ptr) {
-  const int64_t M = x.size(0), K = x.size(1), padded = (M + 15) / 16 * 16;
-  at::Tensor rows = x;
-  if (x.scalar_type() != at::kBFloat16 || padded != M) {
-    rows = at::zeros({padded, K}, x.options().dtype(at::kBFloat16));
-    rows.narrow(0, 0, M).copy_(x);  // (float32 rounded to nearest even)
-  }
+  const int64_t M = x.size(0), K = x.size(1);
+  const at::Tensor rows = splitfuse_int4::tile_rows(x);
   const auto* x16 = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
   const int64_t blocks = (N + 15) / 16;
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {

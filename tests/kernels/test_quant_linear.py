@@ -327,7 +327,9 @@ def test_activations_round_to_int8_in_runs_of_32():
     assert quantize_activations(ties)[0][0, :5].tolist() == [127, 0, 2, 2, 0]
 
 
-@pytest.mark.parametrize("intermediate,num_in,group_size", [(48, 64, 32), (80, 128, 64), (16, 96, 96)])
+@pytest.mark.parametrize(
+    "intermediate,num_in,group_size", [(48, 64, 32), (80, 128, 64), (16, 96, 96)]
+)
 def test_the_fused_gate_up_and_silu_give_the_bits_of_the_three_steps(
     intermediate, num_in, group_size
 ):
