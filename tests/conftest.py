@@ -3,6 +3,15 @@
 import os
 import sys
 
+if os.environ.get("TRITON_INTERPRET") != "0" and "numpy" not in sys.modules:
+    # Set before torch loads numpy. The Triton interpreter's tl.dot is numpy's matmul, and
+    # OpenBLAS's Haswell kernels (the ones it picks on AVX2 CPUs, and the ones an environment
+    # names for CPUs it does not know, such as AMD's family 26) sum a row in an order that
+    # depends on where the row sits in the tile, which no GPU's matrix unit does: the Triton
+    # kernels' batch-invariance tests would fail for the BLAS's sake. Its AVX kernels sum every
+    # row of a tile alike, and the tests' shapes are too small for their speed to matter.
+    os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
+
 if "TRITON_INTERPRET" not in os.environ:
     import torch
 
