@@ -59,8 +59,9 @@ fixed-order kernel, all in one call; each prompt chunk gathers its context and c
 query chunks of 64 from 128 tokens on, as ``kernels/torch_attention.py``, except for a chunk
 with nothing cached before it where torch's flash kernel multiplies on AMX tiles: one causal
 call; ``attends_whole(dtype)`` says where, for the eager path to decide alike). bfloat16 prompt
-chunks with heads of 64 attend on AMX tiles instead where the CPU has them (``prompt_tiles``:
-``kernels/cpu/prompt_attention_amx.cpp``, a token's result the same bits however its prompt is
+chunks with heads of 64 attend through our own kernel instead where the CPU runs it
+(``prompt_kernel``: on AMX tiles, ``kernels/cpu/prompt_attention_amx.cpp``, or with AVX-512 BF16,
+``kernels/cpu/prompt_attention_avx512.cpp``; a token's result the same bits however its prompt is
 chunked), and ``prompt_attention(query, key_rows, value_rows, slots, scale)`` gives the eager
 path that same kernel for one chunk. Every input is checked before the cache is written.
 """
@@ -95,6 +96,7 @@ _SOURCES = (
     "int4_linear.cpp",
     "int4_amx.cpp",
     "prompt_attention_amx.cpp",
+    "prompt_attention_avx512.cpp",
     "graph_call.cpp",
     "decode_stack.cpp",
     "greedy_argmax.cpp",
@@ -300,12 +302,16 @@ def attends_whole(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def prompt_tiles(head_dim: int) -> bool:
-    """Whether bfloat16 prompt chunks with heads of ``head_dim`` values attend on AMX tiles
-    here (``store_and_attend_step``, and ``prompt_attention`` for the eager path): the C++
-    operators are built, the CPU has AMX-BF16, the OS lends the tiles, ``SPLITFUSE_CPU_ISA`` is
-    not set, and head_dim is 64."""
-    return load() != "torch" and bool(torch.ops.splitfuse_cpu.prompt_tiles(head_dim))
+def prompt_kernel(head_dim: int) -> str:
+    """Which kernel of our own bfloat16 prompt chunks with heads of ``head_dim`` values attend
+    with here (``store_and_attend_step``, and ``prompt_attention`` for the eager path): "amx"
+    where the CPU has AMX-BF16 and the OS lends the tiles, "avx512_bf16" where it has AVX-512
+    BF16 instead, "" where neither runs (the C++ operators not built, head_dim not 64, or
+    ``SPLITFUSE_CPU_ISA`` set to anything but avx512_bf16, which asks for the AVX-512 one
+    even where tiles are lent): SDPA then."""
+    if load() == "torch":
+        return ""
+    return str(torch.ops.splitfuse_cpu.prompt_kernel(head_dim))
 
 
 def has_int4_tiles() -> bool:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.checks import KernelInputError
-from kernels.cpu_ops import attends_whole, prompt_tiles
+from kernels.cpu_ops import attends_whole, prompt_kernel
 
 __all__ = ["AttentionPlan", "paged_attention", "plan_paged_attention"]
 
@@ -85,8 +85,8 @@ class PromptGroup:
     # per query chunk; () when the group attends in one call
     query_chunks: tuple[tuple[int, int, int, torch.Tensor], ...] = ()
     # (first token, query tokens, slots int64 [context_len]) per row, where the plan may hand
-    # its rows to the C++ operator (``cpu_kernel``): bfloat16 queries there attend on AMX tiles
-    # row by row (``prompt_tiles``), as ``store_and_attend_step`` does; () elsewhere
+    # its rows to the C++ operator (``cpu_kernel``): bfloat16 queries there attend through our
+    # own kernel row by row (``prompt_kernel``), as ``store_and_attend_step`` does; () elsewhere
     rows: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
 
@@ -508,8 +508,9 @@ def _attend_prompt_group(
     """Prompt chunks at once: query i of a row (position ctx_len - q_len + i) sees positions
     0 .. its own."""
     num_rows, num_heads, head_dim = group.num_rows, query.shape[1], query.shape[2]
-    if group.rows and query.dtype == torch.bfloat16 and prompt_tiles(head_dim):
-        # each row on AMX tiles, reading the caches in place
+    if group.rows and query.dtype == torch.bfloat16 and prompt_kernel(head_dim):
+        # each row through our own kernel (AMX tiles or AVX-512 BF16), reading the caches in
+        # place
         keys_by_slot = key_rows.view(-1, num_kv_heads, head_dim)
         values_by_slot = value_rows.view(-1, num_kv_heads, head_dim)
         for first, q_len, slots in group.rows:

@@ -1,4 +1,4 @@
-// prompt_attention_amx.h: a prompt chunk's causal attention on AMX tiles.
+// prompt_attention_amx.cpp: a prompt chunk's causal attention on AMX tiles.
 //
 // torch's CPU flash kernel took ~23% of a 512-token prefill step of the int4 default model on
 // an Intel Xeon with AMX (0.8-0.9 ms a layer for 512 x 512 causal, 9 heads of 64). Here each KV
@@ -17,7 +17,7 @@
 // bits as they were (its weights 0, its rescaling exactly 1). One 512-token chunk, 9 heads over
 // 3 KV heads, 2 cores: 0.50-0.52 ms against the flash kernel's 0.78-0.84.
 
-#include "prompt_attention_amx.h"
+#include "prompt_attention.h"
 
 #include <ATen/Parallel.h>
 
@@ -71,25 +71,11 @@ bool splitfuse_prompt_amx::ready(int64_t head_dim) {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")
+#include "exp_weight_avx512.h"
 
 namespace {
 
-// exp(x) per lane for finite x <= 0 (and a little above), within ~3e-6 relative: enough for
-// weights rounded to bfloat16 and their float32 sums. 2^(x log2 e) from its fraction's Taylor
-// polynomial of degree 5 and VSCALEFPS (0 far below), ~9 instructions where a full-precision
-// exp takes ~16: the weights' exp was the largest part of the kernel's vector work.
-inline __m512 exp_weight(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using splitfuse_exp::exp_weight;
 
 // pairs (a[c], b[c]) of bfloat16 (rounded to nearest even) in the 32-bit lanes c
 inline __m512i pairs(__m512 a, __m512 b) {

@@ -13,8 +13,9 @@
 //     tokens attends in query chunks of kQueryChunk, each over the context its last query sees,
 //     as kernels/torch_attention.py does (QUERY_CHUNK there), but in one causal call where
 //     nothing is cached and torch's flash kernel multiplies on AMX tiles (whole_causal); on
-//     CPUs with AMX-BF16, bfloat16 chunks with heads of 64 go to our own kernel on the tiles
-//     instead (prompt_attention_amx.h), reading a bfloat16 cache in place;
+//     CPUs with AMX-BF16 or AVX-512 BF16, bfloat16 chunks with heads of 64 go to our own kernel
+//     instead (prompt_attention.h: on the tiles, or in AVX-512), reading a bfloat16 cache in
+//     place;
 //   - rows of no query token: nothing.
 //
 //   block_size 4, a row with block_table [7, 2], context_len 6 and 3 query tokens (3 cached):
@@ -31,12 +32,13 @@
 #include <torch/library.h>
 
 #include "fixed_order_attention.h"
-#include "prompt_attention_amx.h"
+#include "prompt_attention.h"
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -221,12 +223,12 @@ void attend_prompt(const at::Tensor& query, const at::Tensor& keys, const at::Te
   }
 }
 
-// A prompt chunk's rows on AMX tiles (prompt_attention_amx.h): query [q_len, num_heads, 64]
+// A prompt chunk's rows through our own kernel (prompt_attention.h): query [q_len, num_heads, 64]
 // bfloat16 (rows query.stride(0) apart, heads contiguous), its context's K/V at `slots` (int64
 // [context_len], the chunk the last q_len positions) of key_rows and value_rows [num_slots,
 // num_kv_heads, 64], read in place from a bfloat16 cache and widened first from any other;
 // the result into out_rows [q_len, num_heads, 64] bfloat16 (rows out_rows.stride(0) apart).
-void attend_prompt_tiles(const at::Tensor& query, const at::Tensor& key_rows,
+void attend_prompt_kernel(const at::Tensor& query, const at::Tensor& key_rows,
                          const at::Tensor& value_rows, const at::Tensor& slots, double scale,
                          at::Tensor& out_rows) {
   const int64_t context_len = slots.size(0), num_kv_heads = key_rows.size(1);
@@ -247,14 +249,14 @@ void attend_prompt_tiles(const at::Tensor& query, const at::Tensor& key_rows,
   const auto bits = [](const at::Tensor& t) {
     return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
   };
-  splitfuse_prompt_amx::attend(bits(query), query.stride(0), bits(keys), bits(values),
+  splitfuse_prompt::attend(bits(query), query.stride(0), bits(keys), bits(values),
                                positions.data_ptr<int64_t>(), num_kv_heads * head_dim,
                                query.size(0), context_len, query.size(1), num_kv_heads,
                                static_cast<float>(scale), bits(out_rows), out_rows.stride(0));
 }
 
 // splitfuse_cpu::prompt_attention: one prompt chunk's attention as store_and_attend_step makes
-// it on AMX tiles (attend_prompt_tiles), for the eager path (kernels/torch_attention.py) to
+// it with our own kernel (attend_prompt_kernel), for the eager path (kernels/torch_attention.py) to
 // give the same bits: query [q_len, num_heads, 64] bfloat16, key_rows and value_rows [num_slots,
 // num_kv_heads, 64] (a layer's caches), slots int64 [context_len >= q_len].
 at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key_rows,
@@ -265,8 +267,9 @@ at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key_rows,
                   query.stride(2) == 1 && query.stride(1) == query.size(2),
               op, ": query must be a bfloat16 CPU tensor [q_len, num_heads, head_dim] with "
               "contiguous heads");
-  TORCH_CHECK(splitfuse_prompt_amx::ready(query.size(2)), op,
-              ": runs on CPUs with AMX-BF16 tiles, heads of 64 values (prompt_tiles())");
+  TORCH_CHECK(splitfuse_prompt::ready(query.size(2)), op,
+              ": runs on CPUs with AMX-BF16 tiles or AVX-512 BF16, heads of 64 values "
+              "(prompt_kernel())");
   TORCH_CHECK(key_rows.dim() == 3 && key_rows.is_contiguous() && key_rows.device().is_cpu() &&
                   value_rows.sizes() == key_rows.sizes() && value_rows.is_contiguous() &&
                   value_rows.scalar_type() == key_rows.scalar_type() &&
@@ -285,7 +288,7 @@ at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key_rows,
                 "] of ", key_rows.size(0));
   }
   at::Tensor out = at::empty(query.sizes(), query.options());
-  attend_prompt_tiles(query, key_rows, value_rows, slots, scale, out);
+  attend_prompt_kernel(query, key_rows, value_rows, slots, scale, out);
   return out;
 }
 
@@ -338,15 +341,15 @@ at::Tensor store_and_attend_step(const at::Tensor& query, const at::Tensor& key,
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const bool float8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
   const at::ScalarType dtype = query.scalar_type();
-  // bfloat16 prompt chunks on AMX tiles where the CPU has them (prompt_attention_amx.h),
+  // bfloat16 prompt chunks through our own kernel where the CPU runs it (prompt_attention.h),
   // reading a bfloat16 cache in place
-  const bool tiles = dtype == at::kBFloat16 && splitfuse_prompt_amx::ready(head_dim);
+  const bool own_kernel = dtype == at::kBFloat16 && splitfuse_prompt::ready(head_dim);
   for (const int64_t r : prompt_rows) {
     const at::Tensor slots = context_slots(tables + r * max_blocks, block_size, ctx_lens[r]);
-    if (tiles) {
+    if (own_kernel) {
       const int64_t first = starts[r], q_len = starts[r + 1] - first;
       at::Tensor rows = out.narrow(0, first, q_len);
-      attend_prompt_tiles(query.narrow(0, first, q_len), key_rows, value_rows, slots, scale,
+      attend_prompt_kernel(query.narrow(0, first, q_len), key_rows, value_rows, slots, scale,
                           rows);
       continue;
     }
@@ -371,9 +374,10 @@ TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
         "float scale) -> Tensor");
   m.def("prompt_attention(Tensor query, Tensor key_rows, Tensor value_rows, Tensor slots, "
         "float scale) -> Tensor");
-  // whether prompt chunks of heads of head_dim values attend on AMX tiles here
-  m.def("prompt_tiles(int head_dim) -> bool",
-        [](int64_t head_dim) { return splitfuse_prompt_amx::ready(head_dim); });
+  // which kernel of our own bfloat16 prompt chunks of heads of head_dim values attend with
+  // here: "amx", "avx512_bf16" or "" (SDPA)
+  m.def("prompt_kernel(int head_dim) -> str",
+        [](int64_t head_dim) { return std::string(splitfuse_prompt::kernel(head_dim)); });
   // whether a prompt chunk with nothing cached attends in one causal call here (whole_causal)
   m.def("attends_whole(ScalarType dtype) -> bool",
         [](c10::ScalarType dtype) { return whole_causal(dtype); });

@@ -8,12 +8,16 @@ by torch.compile."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from kernel_reference import make_ragged_batch, reference_attention
 
 from engine.device import cpu_flags
-from kernels.cpu_ops import attends_whole, has_fixed_order_attention, prompt_tiles
+from kernels.cpu_ops import attends_whole, has_fixed_order_attention, prompt_kernel
 from kernels.torch_attention import paged_attention, plan_paged_attention
 
 pytestmark = pytest.mark.skipif(
@@ -111,29 +115,44 @@ def test_matches_the_python_path_and_a_float64_reference(name, dtype, head_dim):
 def test_a_whole_prompt_attends_as_the_python_path_decides(dtype):
     """A prompt of 200 tokens with nothing cached: in one causal call where torch's flash kernel
     multiplies on AMX tiles (``attends_whole``), else by query chunks; the operator and the Python
-    path decide alike and give the same bits. bfloat16 on AMX tiles (``prompt_tiles``): the
-    kernel of ``prompt_attention``, which the Python path calls where its plan may hand rows to
-    the C++ operators, and near SDPA's result elsewhere."""
+    path decide alike and give the same bits. bfloat16 through our own kernel where the CPU runs
+    it (``prompt_kernel``: AMX tiles or AVX-512 BF16): the kernel of ``prompt_attention``, which
+    the Python path calls where its plan may hand rows to the C++ operators, and near SDPA's
+    result elsewhere."""
     if dtype == torch.float32 or "amx_bf16" not in cpu_flags():
         assert not attends_whole(dtype)
-        assert not (dtype == torch.bfloat16 and prompt_tiles(64))
+    if dtype == torch.float32 or "avx512_bf16" not in cpu_flags():
+        assert not (dtype == torch.bfloat16 and prompt_kernel(64))
     batch, query, key, value, kv_cache, slots = _step([(0, 200)], 9, 3, 64, dtype, seed=7)
-    tiles = dtype == torch.bfloat16 and prompt_tiles(64)
-    want, _ = _python_path(batch, query, key, value, kv_cache, slots, cpu_kernel=tiles)
+    own = dtype == torch.bfloat16 and bool(prompt_kernel(64))
+    want, _ = _python_path(batch, query, key, value, kv_cache, slots, cpu_kernel=own)
     got = _store_and_attend_step(batch, query, key, value, kv_cache, slots)
     assert torch.equal(got, want)
-    if tiles:
+    if own:
         sdpa, _ = _python_path(batch, query, key, value, kv_cache, slots)
         _assert_near(got, sdpa, dtype)
 
 
-def test_prompt_chunks_on_amx_tiles_give_a_token_the_same_bits_however_chunked():
-    """``prompt_attention`` (the kernel of bfloat16 prompt chunks on AMX tiles): a token's result
-    over slots out of order is the same bits whether its prompt attends whole or in chunks of any
-    size after a cached prefix (one token alone too), near a float64 reference (grouped heads:
-    9 queries, 3 KV heads); bad inputs are refused."""
-    if not prompt_tiles(64):
-        pytest.skip("prompt chunks attend on AMX tiles only on CPUs with AMX-BF16")
+@pytest.mark.parametrize("kernel", ["amx", "avx512_bf16"])
+def test_prompt_chunks_give_a_token_the_same_bits_however_chunked(kernel):
+    """``prompt_attention`` (our own kernel of bfloat16 prompt chunks, on AMX tiles or in
+    AVX-512 BF16): a token's result over slots out of order is the same bits whether its prompt
+    attends whole or in chunks of any size after a cached prefix (one token alone too), near a
+    float64 reference (grouped heads: 9 queries, 3 KV heads); bad inputs are refused. On a CPU
+    with AMX the AVX-512 kernel runs in a process that asks for it (SPLITFUSE_CPU_ISA)."""
+    if prompt_kernel(64) != kernel:
+        if kernel != "avx512_bf16" or "avx512_bf16" not in cpu_flags() or not prompt_kernel(64):
+            pytest.skip(f"the {kernel} kernel does not run on this CPU")
+        env = {**os.environ, "SPLITFUSE_CPU_ISA": "avx512_bf16"}
+        test = f"{__file__}::test_prompt_chunks_give_a_token_the_same_bits_however_chunked"
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{test}[{kernel}]"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+        return
     torch.manual_seed(3)
     num_tokens, num_slots = 150, 200
     query = torch.randn(num_tokens, 9, 64).bfloat16()
