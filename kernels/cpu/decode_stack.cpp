@@ -168,9 +168,9 @@ inline float bf16_value(uint16_t bits) {
   return v;
 }
 
-// One row: residual = in (+ residual, rounded); out = round(round(residual * inverse rms) * w)
-SF_CLONES void norm_row(const float* in, float* residual, const float* w, float* out,
-                        int64_t n, float eps, bool first, bool bf16) {
+// norm_row (below) written for the compiler to vectorize (CPUs without AVX-512)
+SF_CLONES void norm_row_loop(const float* in, float* residual, const float* w, float* out,
+                             int64_t n, float eps, bool first, bool bf16) {
   for (int64_t i = 0; i < n; ++i) {
     const float sum = first ? in[i] : in[i] + residual[i];
     residual[i] = bf16 && !first ? round_bf16(sum) : sum;
@@ -182,11 +182,11 @@ SF_CLONES void norm_row(const float* in, float* residual, const float* w, float*
     for (int64_t i = 0; i < n; ++i) out[i] = residual[i] * inverse * w[i];
 }
 
-// norm_row's bfloat16 case on bfloat16 rows: the sum into `sum` (n floats) and, without
+// norm_row_loop's bfloat16 case on bfloat16 rows: the sum into `sum` (n floats) and, without
 // `first`, as bfloat16 into summed; the same arithmetic, the same bits
-SF_CLONES void norm_row_bf16(const uint16_t* in, const uint16_t* residual, const float* w,
-                             uint16_t* out, uint16_t* summed, float* sum, int64_t n, float eps,
-                             bool first) {
+SF_CLONES void norm_row_bf16_loop(const uint16_t* in, const uint16_t* residual,
+                                  const float* w, uint16_t* out, uint16_t* summed, float* sum,
+                                  int64_t n, float eps, bool first) {
   if (first) {
     for (int64_t i = 0; i < n; ++i) sum[i] = bf16_value(in[i]);
   } else {
@@ -219,7 +219,7 @@ SF_CLONES void silu_mul_loop(const float* gate, const float* up, float* act, int
 // round_bf16 in integer operations.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
-namespace silu_avx512 {
+namespace rows_avx512 {
 
 inline __m512 round_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
@@ -299,19 +299,117 @@ void silu_mul_products(const float* gate, const float* up, uint16_t* out, int64_
   }
 }
 
-}  // namespace silu_avx512
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// 1 / sqrt(mean(squares' lanes summed) + eps), the lanes summed in _mm512_reduce_add_ps's order
+inline float inverse_rms(__m512 squares, int64_t n, float eps) {
+  return 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + eps);
+}
+
+// norm_row_loop's arithmetic, 16 values a vector: the sum of squares in 16 lanes of fused
+// multiply-adds (norm_row_bf16 below does the same, so that the stack and the operator agree)
+void norm_row(const float* in, float* residual, const float* w, float* out, int64_t n, float eps,
+              bool first, bool bf16) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = tail_mask(n - i);
+    __m512 sum = _mm512_maskz_loadu_ps(mask, in + i);
+    if (!first) {
+      sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, residual + i));
+      if (bf16) sum = round_bf16(sum);
+    }
+    _mm512_mask_storeu_ps(residual + i, mask, sum);
+    squares = _mm512_fmadd_ps(sum, sum, squares);
+  }
+  const __m512 inverse = _mm512_set1_ps(inverse_rms(squares, n, eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = tail_mask(n - i);
+    const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, residual + i), inverse);
+    const __m512 weight = _mm512_maskz_loadu_ps(mask, w + i);
+    _mm512_mask_storeu_ps(out + i, mask,
+                          bf16 ? round_bf16(_mm512_mul_ps(round_bf16(scaled), weight))
+                               : _mm512_mul_ps(scaled, weight));
+  }
+}
+
+// norm_row's bfloat16 case on bfloat16 rows (the sum, without `first`, into summed as
+// bfloat16): the same arithmetic, the same bits
+void norm_row_bf16(const uint16_t* in, const uint16_t* residual, const float* w, uint16_t* out,
+                   uint16_t* summed, int64_t n, float eps, bool first) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = tail_mask(n - i);
+    __m512 sum = load_bf16(in + i, mask);
+    if (!first) {
+      sum = round_bf16(_mm512_add_ps(sum, load_bf16(residual + i, mask)));
+      store_bf16(summed + i, sum, mask);
+    }
+    squares = _mm512_fmadd_ps(sum, sum, squares);
+  }
+  const __m512 inverse = _mm512_set1_ps(inverse_rms(squares, n, eps));
+  const uint16_t* sums = first ? in : summed;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = tail_mask(n - i);
+    const __m512 scaled = round_bf16(_mm512_mul_ps(load_bf16(sums + i, mask), inverse));
+    store_bf16(out + i, round_bf16(_mm512_mul_ps(scaled, _mm512_maskz_loadu_ps(mask, w + i))),
+               mask);
+  }
+}
+
+// rotate_head_loop's arithmetic, 16 values a vector: each product and the sum rounded on their
+// own (fp-contract off: no fused multiply-add)
+__attribute__((optimize("fp-contract=off"))) inline void rotate(__m512 a, __m512 b, __m512 c,
+                                                                __m512 s, __m512* low,
+                                                                __m512* high) {
+  *low = _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s));
+  *high = _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s));
+}
+
+__attribute__((optimize("fp-contract=off"))) void rotate_head(const float* in, const float* cos,
+                                                             const float* sin, float* out,
+                                                             int64_t half, bool bf16) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 mask = tail_mask(half - i);
+    __m512 low, high;
+    rotate(_mm512_maskz_loadu_ps(mask, in + i), _mm512_maskz_loadu_ps(mask, in + half + i),
+           _mm512_maskz_loadu_ps(mask, cos + i), _mm512_maskz_loadu_ps(mask, sin + i), &low,
+           &high);
+    _mm512_mask_storeu_ps(out + i, mask, bf16 ? round_bf16(low) : low);
+    _mm512_mask_storeu_ps(out + half + i, mask, bf16 ? round_bf16(high) : high);
+  }
+}
+
+// rotate_head's bfloat16 case on a bfloat16 head
+__attribute__((optimize("fp-contract=off"))) void rotate_head_bf16(const uint16_t* in,
+                                                                  const float* cos,
+                                                                  const float* sin,
+                                                                  uint16_t* out, int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 mask = tail_mask(half - i);
+    __m512 low, high;
+    rotate(load_bf16(in + i, mask), load_bf16(in + half + i, mask),
+           _mm512_maskz_loadu_ps(mask, cos + i), _mm512_maskz_loadu_ps(mask, sin + i), &low,
+           &high);
+    store_bf16(out + i, round_bf16(low), mask);
+    store_bf16(out + half + i, round_bf16(high), mask);
+  }
+}
+
+}  // namespace rows_avx512
 #pragma GCC pop_options
 
 namespace {
 
-const bool kSiluAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+const bool kRowsAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 
 // act[i] = round(round(silu(gate[i])) * up[i]) (bf16: rounded to bfloat16 as shown; else
 // silu(gate[i]) * up[i]), on AVX-512 where the CPU has it
 void silu_mul(const float* gate, const float* up, float* act, int64_t n, bool bf16) {
-  if (kSiluAvx512)
-    silu_avx512::silu_mul(gate, up, act, n, bf16);
+  if (kRowsAvx512)
+    rows_avx512::silu_mul(gate, up, act, n, bf16);
   else
     silu_mul_loop(gate, up, act, n, bf16);
 }
@@ -333,10 +431,29 @@ void silu_mul_bf16_loop(const uint16_t* gate, const uint16_t* up, uint16_t* act,
 }
 
 void silu_mul_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
-  if (kSiluAvx512)
-    silu_avx512::silu_mul_bf16(gate, up, act, n);
+  if (kRowsAvx512)
+    rows_avx512::silu_mul_bf16(gate, up, act, n);
   else
     silu_mul_bf16_loop(gate, up, act, n);
+}
+
+// One row: residual = in (+ residual, rounded); out = round(round(residual * inverse rms) * w)
+// (norm_row_loop), on AVX-512 where the CPU has it
+void norm_row(const float* in, float* residual, const float* w, float* out, int64_t n, float eps,
+              bool first, bool bf16) {
+  if (kRowsAvx512)
+    rows_avx512::norm_row(in, residual, w, out, n, eps, first, bf16);
+  else
+    norm_row_loop(in, residual, w, out, n, eps, first, bf16);
+}
+
+// norm_row's bfloat16 case on bfloat16 rows (norm_row_bf16_loop; `sum`: n floats of scratch)
+void norm_row_bf16(const uint16_t* in, const uint16_t* residual, const float* w, uint16_t* out,
+                   uint16_t* summed, float* sum, int64_t n, float eps, bool first) {
+  if (kRowsAvx512)
+    rows_avx512::norm_row_bf16(in, residual, w, out, summed, n, eps, first);
+  else
+    norm_row_bf16_loop(in, residual, w, out, summed, sum, n, eps, first);
 }
 
 // Rotary on one head of 2 * half values: out[i] = in[i] * cos[i] - in[i + half] * sin[i] and
@@ -344,7 +461,7 @@ void silu_mul_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* act, int6
 // their own as the model computes them (no fused multiply-add: fp-contract off, in every
 // clone), then to the activations' dtype. (Written inline in the step, the loop ran as the
 // baseline's SSE2 code: 32 decode tokens, 2 threads, steps alternating 30.66 -> 29.78 ms.)
-__attribute__((optimize("fp-contract=off"))) SF_CLONES void rotate_head(
+__attribute__((optimize("fp-contract=off"))) SF_CLONES void rotate_head_loop(
     const float* in, const float* cos, const float* sin, float* out, int64_t half, bool bf16) {
   if (bf16) {
     for (int64_t i = 0; i < half; ++i) {
@@ -359,14 +476,31 @@ __attribute__((optimize("fp-contract=off"))) SF_CLONES void rotate_head(
   }
 }
 
-// rotate_head's bfloat16 case on a bfloat16 head: the same arithmetic, the same bits
-__attribute__((optimize("fp-contract=off"))) SF_CLONES void rotate_head_bf16(
+// rotate_head_loop's bfloat16 case on a bfloat16 head: the same arithmetic, the same bits
+__attribute__((optimize("fp-contract=off"))) SF_CLONES void rotate_head_bf16_loop(
     const uint16_t* in, const float* cos, const float* sin, uint16_t* out, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
     const float a = bf16_value(in[i]), b = bf16_value(in[i + half]);
     out[i] = bf16_bits(round_bf16(a * cos[i] - b * sin[i]));
     out[i + half] = bf16_bits(round_bf16(b * cos[i] + a * sin[i]));
   }
+}
+
+// rotate_head_loop and rotate_head_bf16_loop, on AVX-512 where the CPU has it
+void rotate_head(const float* in, const float* cos, const float* sin, float* out, int64_t half,
+                 bool bf16) {
+  if (kRowsAvx512)
+    rows_avx512::rotate_head(in, cos, sin, out, half, bf16);
+  else
+    rotate_head_loop(in, cos, sin, out, half, bf16);
+}
+
+void rotate_head_bf16(const uint16_t* in, const float* cos, const float* sin, uint16_t* out,
+                      int64_t half) {
+  if (kRowsAvx512)
+    rows_avx512::rotate_head_bf16(in, cos, sin, out, half);
+  else
+    rotate_head_bf16_loop(in, cos, sin, out, half);
 }
 
 // [begin, end) of n items for thread `me` of `threads`: contiguous shares, as at::parallel_for
@@ -1317,13 +1451,50 @@ at::Tensor silu_mul_rows(const at::Tensor& gate_up) {
   return out;
 }
 
+// Where int4_silu_mul's rows go: row first_row + r of out [M, I] (float32 or bfloat16), its W
+// columns from `col`, = round(round(silu(gate)) * up) of the products gate and up (float32 sums
+// not yet rounded to x's dtype), as the product, its rounding and silu_mul_rows give them
+struct ActRows {
+  void* out;
+  int64_t I, first_row, col;
+  bool bf16;
+  float* scratch;  // 3 W floats (CPUs without AVX-512)
+
+  void row(int64_t r, const float* gate, const float* up, int64_t W) const {
+    const int64_t at = (first_row + r) * I + col;
+    if (!bf16) {
+      silu_mul(gate, up, static_cast<float*>(out) + at, W, false);
+      return;
+    }
+    uint16_t* o = static_cast<uint16_t*>(out) + at;
+    if (kRowsAvx512) {
+      rows_avx512::silu_mul_products(gate, up, o, W);
+      return;
+    }
+    float* g = scratch;
+    float* u = g + W;
+    float* act = u + W;
+    round_into(gate, g, W, true);
+    round_into(up, u, W, true);
+    silu_mul(g, u, act, W, true);
+    for (int64_t c = 0; c < W; ++c) o[c] = bf16_bits(act[c]);
+  }
+
+  // amx_int4_gate_up_rows' each_row: a tile row's kCols columns
+  static void tile_row(void* context, int64_t r, const float* gate, const float* up) {
+    static_cast<const ActRows*>(context)->row(r, gate, up, kCols);
+  }
+};
+
 // SwiGLU's silu(gate) * up of x times a gate-and-up 4-bit weight [2I, K] (packed as
 // int4_linear's, the gate's I output columns first), in x's dtype: what int4_linear, then the
 // rounding to x's dtype, then silu_mul_rows compute, the same bits, in one parallel region.
-// Each thread takes pairs of the gate's column blocks, multiplies them and the up's blocks I
-// apart into float32 scratch that stays in its caches (integer rows as int4_linear, a step's
-// prompt rows on AMX tiles where int4_linear would put them), and writes their SiLU at once:
-// the [M, 2I] float32 product, its bfloat16 copy and their reading back never reach memory.
+// Each thread takes pairs of the gate's column blocks. Integer rows (as int4_linear rounds
+// them) multiply a pair and the up's blocks I apart into float32 scratch that stays in its
+// caches, and their SiLU is written at once; a step's prompt rows on AMX tiles (where
+// int4_linear would put them) take a gate block and its up block at a time, each row's SiLU
+// written while the tiles multiply the next rows (amx_int4_gate_up_rows). The [M, 2I] float32
+// product, its bfloat16 copy and their reading back never reach memory.
 at::Tensor int4_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                          const at::Tensor& mins, int64_t intermediate, int64_t group_size) {
   constexpr const char* name = "int4_silu_mul";
@@ -1365,58 +1536,42 @@ at::Tensor int4_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at
       tiled > 0 ? splitfuse_int4::tile_rows(x.narrow(0, from, tiled)) : at::Tensor();
   const uint16_t* x16 =
       tiled > 0 ? reinterpret_cast<const uint16_t*>(tile_rows.data_ptr<at::BFloat16>()) : nullptr;
-  constexpr int64_t kPair = 2;  // gate blocks a unit (the tiles multiply two at a time)
-  const int64_t rows_most = std::max(from, tiled);
+  constexpr int64_t kPair = 2;  // gate blocks a unit of the integer rows' products
   at::parallel_for(0, (gate_blocks + kPair - 1) / kPair, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float tile_out[16 * 16];
-    // the gate's and the up's products of a unit's columns, then (float32 rows) the SiLU
-    std::unique_ptr<float[]> scratch(new float[3 * rows_most * kPair * kCols]);
+    // the integer rows' gate and up products of a unit's columns, and act's scratch
+    std::unique_ptr<float[]> scratch(new float[(2 * from + 3) * kPair * kCols]);
     float* gate = scratch.get();
-    float* up = gate + rows_most * kPair * kCols;
-    float* act = up + rows_most * kPair * kCols;
+    float* up = gate + from * kPair * kCols;
+    ActRows rows{out.data_ptr(), I, 0, 0, bf16, up + from * kPair * kCols};
     uint16_t* panels = tiled > 0 ? splitfuse_int4::amx_panel_scratch(K) : nullptr;
     TORCH_CHECK(tiled == 0 || panels != nullptr, name, ": out of memory for ", 2 * K * kCols,
                 " values");
+    alignas(64) float tile_sums[2 * 4 * 256];
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t g = unit * kPair, nb = std::min(kPair, gate_blocks - g), W = nb * kCols;
-      // the blocks [b, b + nb) of the weight as a weight of W columns
+      // block b of the weight
       const auto at_block = [&](int64_t b) {
-        return std::tuple{w_ptr + b * K * 8, sc_ptr + b * groups * kCols,
-                          mn_ptr + b * groups * kCols};
-      };
-      const auto [gw, gs, gm] = at_block(g);
-      const auto [uw, us, um] = at_block(gate_blocks + g);
-      // rows [r0, r1) of the products in gate and up (W apart): SiLU into out
-      const auto activate = [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          float* gr = gate + (r - r0) * W;
-          float* ur = up + (r - r0) * W;
-          if (!bf16) {
-            silu_mul(gr, ur, out.data_ptr<float>() + r * I + g * kCols, W, false);
-            continue;
-          }
-          auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * I + g * kCols;
-          if (kSiluAvx512) {
-            silu_avx512::silu_mul_products(gr, ur, o, W);
-            continue;
-          }
-          round_into(gr, gr, W, true);
-          round_into(ur, ur, W, true);
-          silu_mul(gr, ur, act, W, true);
-          for (int64_t c = 0; c < W; ++c) o[c] = bf16_bits(act[c]);
-        }
+        return splitfuse_int4::Int4Block{w_ptr + b * K * 8, sc_ptr + b * groups * kCols,
+                                         mn_ptr + b * groups * kCols};
       };
       if (from > 0) {
-        int4.columns(q, d, s, from, K, W, gw, gs, gm, group_size, 0, nb, tile_out, gate);
-        int4.columns(q, d, s, from, K, W, uw, us, um, group_size, 0, nb, tile_out, up);
-        activate(0, from);
+        const auto gb = at_block(g), ub = at_block(gate_blocks + g);
+        int4.columns(q, d, s, from, K, W, gb.packed, gb.scales, gb.mins, group_size, 0, nb,
+                     tile_out, gate);
+        int4.columns(q, d, s, from, K, W, ub.packed, ub.scales, ub.mins, group_size, 0, nb,
+                     tile_out, up);
+        rows.first_row = 0;
+        rows.col = g * kCols;
+        for (int64_t r = 0; r < from; ++r) rows.row(r, gate + r * W, up + r * W, W);
       }
-      if (tiled > 0) {
-        splitfuse_int4::amx_int4_columns(x16, tiled, K, W, gw, gs, gm, group_size, 0, nb, panels,
-                                         tile_out, gate);
-        splitfuse_int4::amx_int4_columns(x16, tiled, K, W, uw, us, um, group_size, 0, nb, panels,
-                                         tile_out, up);
-        activate(from, M);
+      // the tile rows a block at a time, each row's SiLU beside the next rows' products
+      for (int64_t b = g; tiled > 0 && b < g + nb; ++b) {
+        rows.first_row = from;
+        rows.col = b * kCols;
+        splitfuse_int4::amx_int4_gate_up_rows(x16, tiled, K, at_block(b),
+                                              at_block(gate_blocks + b), group_size, panels,
+                                              tile_sums, ActRows::tile_row, &rows);
       }
     }
     if (tiled > 0) splitfuse_int4::amx_release();

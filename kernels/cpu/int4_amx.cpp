@@ -201,6 +201,64 @@ void multiply_panels(const uint16_t* x16, int64_t M, int64_t K, int64_t N, const
 
 }  // namespace
 
+void splitfuse_int4::amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64_t K,
+                                           Int4Block gate, Int4Block up, int64_t group_size,
+                                           uint16_t* panels, float* sums,
+                                           void (*each_row)(void*, int64_t, const float*,
+                                                            const float*),
+                                           void* context) {
+  configure_full_tiles();
+  uint16_t* p0 = panels;
+  uint16_t* p1 = panels + K * kCols;
+  int4_panel(gate.packed, gate.scales, gate.mins, K, group_size, p0);
+  int4_panel(up.packed, up.scales, up.mins, K, group_size, p1);
+  const int64_t stride = K * sizeof(uint16_t), steps = K / 32;
+  // a strip's sums in sums[strip % 2]: 4 tiles of 16 x 16, (rows 0-15 gate, up), (16-31 gate,
+  // up); the strip before hands its rows on, `per_step` of them at each step of K, as the tiles
+  // multiply
+  const int64_t per_step = (32 + steps - 1) / steps;
+  int64_t pending = 0, pending_end = 0;  // the rows of the strip before not yet handed on
+  const auto hand_on = [&](int64_t count) {
+    for (; count > 0 && pending < pending_end; --count, ++pending) {
+      const int64_t r = pending & 31;
+      const float* tiles = sums + ((pending >> 5) & 1) * 4 * 256 + (r >> 4) * 2 * 256;
+      each_row(context, pending, tiles + (r & 15) * kCols, tiles + 256 + (r & 15) * kCols);
+    }
+  };
+  for (int64_t r0 = 0; r0 < M; r0 += 32) {
+    const bool two = r0 + 16 < M;
+    const uint16_t* x = x16 + r0 * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+      _tile_loadd(4, x + k, stride);
+      _tile_loadd(6, p0 + k * 16, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, p1 + k * 16, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, x + 16 * K + k, stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      hand_on(per_step);
+    }
+    hand_on(pending_end - pending);
+    float* strip = sums + ((r0 >> 5) & 1) * 4 * 256;
+    _tile_stored(0, strip, kCols * sizeof(float));
+    _tile_stored(1, strip + 256, kCols * sizeof(float));
+    if (two) {
+      _tile_stored(2, strip + 512, kCols * sizeof(float));
+      _tile_stored(3, strip + 768, kCols * sizeof(float));
+    }
+    pending = r0;
+    pending_end = std::min(M, r0 + 32);
+  }
+  hand_on(pending_end - pending);
+}
+
 void splitfuse_int4::amx_int4_columns(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
                                       const uint8_t* packed, const uint16_t* scales,
                                       const uint16_t* mins, int64_t group_size,

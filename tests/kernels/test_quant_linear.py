@@ -335,14 +335,15 @@ def test_the_fused_gate_up_and_silu_give_the_bits_of_the_three_steps(
 ):
     """``int4_silu_mul`` = ``silu_mul_rows(int4_linear(x).to(x.dtype))`` bit for bit: float32
     and bfloat16 rows, pairs of column blocks and one alone (48 = 3 blocks), prompt rows on the
-    tiles from any row (where the CPU has them) or none."""
+    tiles from any row (where the CPU has them) or none; 100 rows are four strips of the tiles'
+    32, the last of 4, each strip's SiLU run beside the next strip's products."""
     if load() == "torch":
         pytest.skip("the C++ operators are not built here")
     ops = torch.ops.splitfuse_cpu
     torch.manual_seed(intermediate)
     packed = PackedInt4.pack(quantize(torch.randn(2 * intermediate, num_in) * 0.1, 4, group_size))
     weight = packed.packed, packed.scales, packed.mins
-    for num_rows in (1, 17, 40):
+    for num_rows in (1, 17, 40, 100):
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(num_rows, num_in) * 2).to(dtype)
             for first in (None, 0, num_rows // 2, num_rows):
