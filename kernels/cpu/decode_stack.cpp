@@ -503,11 +503,6 @@ void rotate_head_bf16(const uint16_t* in, const float* cos, const float* sin, ui
     rotate_head_bf16_loop(in, cos, sin, out, half);
 }
 
-// [begin, end) of n items for thread `me` of `threads`: contiguous shares, as at::parallel_for
-std::pair<int64_t, int64_t> share(int64_t n, int threads, int me) {
-  const int64_t chunk = (n + threads - 1) / threads;
-  return {std::min(n, me * chunk), std::min(n, (me + 1) * chunk)};
-}
 
 // The threads of a parallel region meeting: each arrival counts; the last one resets the count
 // and moves the generation on, which the others wait for spinning (then yielding the CPU, where
@@ -548,61 +543,8 @@ class SpinBarrier {
   alignas(64) std::atomic<int64_t> generation_{0};
 };
 
-// Work of n units (a product's column blocks, attention's items) shared out between the
-// threads of a region: each takes chunks from the front of its own contiguous share (share()'s),
-// and once that is done, single units from the back of the other threads' shares. A thread that
-// runs slower (its core busier, its caches colder) leaves its last units to the others instead
-// of making them wait at the next meeting; with even threads each computes its own share, in
-// order, as before. Which thread computes a unit changes nothing in it. A share's front and back
-// are one atomic word, so a unit is taken once; the meetings order the units' results.
-class Claims {
- public:
-  struct alignas(64) Ends {  // a share's front | back << 32
-    std::atomic<uint64_t> word{0};
-  };
-  explicit Claims(Ends* ends) : ends_(ends) {}  // [threads] Ends the caller keeps
-
-  // the shares of n units between `threads` threads (before the region's threads take any)
-  void reset(int64_t n, int threads) {
-    for (int p = 0; p < threads; ++p) {
-      const auto [begin, end] = share(n, threads, p);
-      ends_[p].word.store(pack(begin, end), std::memory_order_relaxed);
-    }
-    threads_ = threads;
-  }
-
-  // Units [begin, end) for thread `me`: up to `chunk` from its share's front, or else one from
-  // the back of another's; {0, 0} when none is left.
-  std::pair<int64_t, int64_t> take(int me, int64_t chunk) {
-    std::atomic<uint64_t>& own = ends_[me].word;
-    for (uint64_t word = own.load(std::memory_order_relaxed);;) {
-      const int64_t front = front_of(word), back = back_of(word);
-      if (front >= back) break;
-      const int64_t end = std::min(back, front + chunk);
-      if (own.compare_exchange_weak(word, pack(end, back), std::memory_order_relaxed))
-        return {front, end};
-    }
-    for (int i = 1; i < threads_; ++i) {
-      std::atomic<uint64_t>& other = ends_[(me + i) % threads_].word;
-      for (uint64_t word = other.load(std::memory_order_relaxed);;) {
-        const int64_t front = front_of(word), back = back_of(word);
-        if (front >= back) break;
-        if (other.compare_exchange_weak(word, pack(front, back - 1), std::memory_order_relaxed))
-          return {back - 1, back};
-      }
-    }
-    return {0, 0};
-  }
-
- private:
-  static uint64_t pack(int64_t front, int64_t back) {
-    return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
-  }
-  static int64_t front_of(uint64_t word) { return static_cast<int64_t>(word & 0xffffffffu); }
-  static int64_t back_of(uint64_t word) { return static_cast<int64_t>(word >> 32); }
-  Ends* ends_;
-  int threads_ = 1;
-};
+using splitfuse_int4::Claims;
+using splitfuse_int4::share;
 
 // How a stack's products hold their weights (every product of a stack alike)
 enum class Kind : int64_t {
@@ -1489,7 +1431,7 @@ struct ActRows {
 // SwiGLU's silu(gate) * up of x times a gate-and-up 4-bit weight [2I, K] (packed as
 // int4_linear's, the gate's I output columns first), in x's dtype: what int4_linear, then the
 // rounding to x's dtype, then silu_mul_rows compute, the same bits, in one parallel region.
-// Each thread takes pairs of the gate's column blocks. Integer rows (as int4_linear rounds
+// The threads take pairs of the gate's column blocks in turn. Integer rows (as int4_linear rounds
 // them) multiply a pair and the up's blocks I apart into float32 scratch that stays in its
 // caches, and their SiLU is written at once; a step's prompt rows on AMX tiles (where
 // int4_linear would put them) take a gate block and its up block at a time, each row's SiLU
@@ -1537,7 +1479,7 @@ at::Tensor int4_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at
   const uint16_t* x16 =
       tiled > 0 ? reinterpret_cast<const uint16_t*>(tile_rows.data_ptr<at::BFloat16>()) : nullptr;
   constexpr int64_t kPair = 2;  // gate blocks a unit of the integer rows' products
-  at::parallel_for(0, (gate_blocks + kPair - 1) / kPair, 1, [&](int64_t begin, int64_t end) {
+  splitfuse_int4::share_units((gate_blocks + kPair - 1) / kPair, [&](const auto& next) {
     alignas(64) float tile_out[16 * 16];
     // the integer rows' gate and up products of a unit's columns, and act's scratch
     std::unique_ptr<float[]> scratch(new float[(2 * from + 3) * kPair * kCols]);
@@ -1548,7 +1490,7 @@ at::Tensor int4_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at
     TORCH_CHECK(tiled == 0 || panels != nullptr, name, ": out of memory for ", 2 * K * kCols,
                 " values");
     alignas(64) float tile_sums[2 * 4 * 256];
-    for (int64_t unit = begin; unit < end; ++unit) {
+    for (int64_t unit = next(); unit >= 0; unit = next()) {
       const int64_t g = unit * kPair, nb = std::min(kPair, gate_blocks - g), W = nb * kCols;
       // block b of the weight
       const auto at_block = [&](int64_t b) {

@@ -242,19 +242,21 @@ at::Tensor packed_product(const at::Tensor& x, int64_t N, int64_t blocks, Column
 }
 
 // out_ptr's rows [0, M) of N float32 = x's rows on AMX tiles: x as bfloat16 bits in rows padded
-// to a multiple of 16 (the padding zeros), the threads sharing pairs of column blocks
+// to a multiple of 16 (the padding zeros), the threads taking pairs of column blocks in turn
 void amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uint16_t* sc_ptr,
                       const uint16_t* mn_ptr, int64_t N, int64_t group_size, float* out_ptr) {
   const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor rows = splitfuse_int4::tile_rows(x);
   const auto* x16 = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
   const int64_t blocks = (N + 15) / 16;
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+  splitfuse_int4::share_units((blocks + 1) / 2, [&](const auto& next) {
     alignas(64) float tile_out[16 * 16];
     uint16_t* panels = splitfuse_int4::amx_panel_scratch(K);
     TORCH_CHECK(panels != nullptr, "int4_linear: out of memory for ", 2 * K * 16, " values");
-    splitfuse_int4::amx_int4_columns(x16, M, K, N, w_ptr, sc_ptr, mn_ptr, group_size, 2 * begin,
-                                     std::min(blocks, 2 * end), panels, tile_out, out_ptr);
+    for (int64_t pair = next(); pair >= 0; pair = next())
+      splitfuse_int4::amx_int4_columns(x16, M, K, N, w_ptr, sc_ptr, mn_ptr, group_size,
+                                       2 * pair, std::min(blocks, 2 * pair + 2), panels,
+                                       tile_out, out_ptr);
     splitfuse_int4::amx_release();
   });
 }
