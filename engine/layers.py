@@ -223,9 +223,15 @@ class MatmulLayer(QuantizableWeight):
                 # x in int8 runs times the packed 4- or 8-bit values: int32 sums
                 rows = x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous()
                 ops, size = torch.ops.splitfuse_cpu, self.quant_group_size
-                if self.int4_out_features:
+                if self.int4_out_features:  # rounded to x's dtype in the operator
                     out = ops.int4_linear(
-                        rows, self.qweight, self.qscales, self.qmins, self.int4_out_features, size
+                        rows,
+                        self.qweight,
+                        self.qscales,
+                        self.qmins,
+                        self.int4_out_features,
+                        size,
+                        not self.float32_result,
                     )
                 else:
                     out = ops.int8_linear(

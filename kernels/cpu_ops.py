@@ -31,9 +31,10 @@ float32 sums of exact products, except for bfloat16 rows (more than one) on CPUs
 BF16: there the weight is rounded to bfloat16 (what a bfloat16 copy of the float weight holds)
 and multiplied in hardware.
 
-``int4_linear(x, packed, scales, mins, out_features, group_size)``: x times a 4-bit weight packed
-as ``PackedInt4`` -> [M, N] float32; x is rounded to int8 in runs of 32 first
-(``quantize_activations``) and the 4-bit values multiply it in int32 sums
+``int4_linear(x, packed, scales, mins, out_features, group_size, round_to_x=False)``: x times a
+4-bit weight packed as ``PackedInt4`` -> [M, N] float32 (``round_to_x``: in x's dtype, the same
+bits as the float32 result's ``.to(x.dtype)``, without writing it); x is rounded to int8 in
+runs of 32 first (``quantize_activations``) and the 4-bit values multiply it in int32 sums
 (``int4_linear_reference`` is what it computes). On CPUs with AMX-BF16 (``has_int4_tiles``) a
 step's prompt tokens may go on AMX tiles instead, x and the weight's values rounded to bfloat16
 (``int4_tiles_reference``): ``int4_tile_rows(row)`` says from which row on, for the calls of the
@@ -194,12 +195,13 @@ def _define_fallback() -> None:
     library.impl("quant_linear", quant_linear, "CPU")
     library.define(
         "int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int out_features, "
-        "int group_size) -> Tensor"
+        "int group_size, bool round_to_x=False) -> Tensor"
     )
 
-    def int4_linear(x, packed, scales, mins, out_features, group_size):  # type: ignore[no-untyped-def]
+    def int4_linear(x, packed, scales, mins, out_features, group_size, round_to_x=False):  # type: ignore[no-untyped-def]
         weight = PackedInt4(packed, scales, mins, out_features, group_size)
-        return int4_linear_reference(x, weight)
+        out = int4_linear_reference(x, weight)
+        return out.to(x.dtype) if round_to_x else out
 
     library.impl("int4_linear", int4_linear, "CPU")
     library.define(
@@ -236,8 +238,9 @@ def load() -> str:
             return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
         @torch.library.register_fake("splitfuse_cpu::int4_linear")
-        def _fake_int4(x, packed, scales, mins, out_features, group_size):  # type: ignore[no-untyped-def]
-            return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+        def _fake_int4(x, packed, scales, mins, out_features, group_size, round_to_x=False):  # type: ignore[no-untyped-def]
+            dtype = x.dtype if round_to_x else torch.float32
+            return x.new_empty((x.shape[0], out_features), dtype=dtype)
 
         @torch.library.register_fake("splitfuse_cpu::int8_linear")
         def _fake_int8(x, packed, scales, out_features, group_size):  # type: ignore[no-untyped-def]

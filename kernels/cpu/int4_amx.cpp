@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 namespace {
 
@@ -144,25 +145,48 @@ void int4_panel(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
   }
 }
 
+// the 16 x 16 sums in tile_out as bfloat16 (to nearest even; NaN stays NaN) into out's rows
+// [row, row + rows) and columns [col, col + cols)
+inline void store_bf16_sums(const float* tile_out, int64_t rows, int64_t cols, int64_t N,
+                            uint16_t* out) {
+  const __mmask16 mask = cols >= 16 ? __mmask16(0xffff) : __mmask16((1u << cols) - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512i bits = _mm512_castps_si512(_mm512_load_ps(tile_out + r * kCols));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+    _mm256_mask_storeu_epi16(out + r * N, mask,
+                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+}
+
 // tile T's 16 x 16 sums into out's rows [row, row + rows) and columns [col, col + cols) (a tile
-// instruction takes its tile's number as a literal)
+// instruction takes its tile's number as a literal): float32 as they are, bfloat16 rounded
 #define SF_STORE_SUMS(T, row, rows, col, cols)                                   \
   do {                                                                           \
-    if ((rows) == 16 && (cols) == kCols) {                                       \
-      _tile_stored(T, out + (row) * N + (col), N * sizeof(float));               \
+    if constexpr (std::is_same_v<Out, float>) {                                  \
+      if ((rows) == 16 && (cols) == kCols) {                                     \
+        _tile_stored(T, out + (row) * N + (col), N * sizeof(float));             \
+      } else {                                                                   \
+        _tile_stored(T, tile_out, kCols * sizeof(float));                        \
+        for (int64_t r = 0; r < (rows); ++r)                                     \
+          std::memcpy(out + ((row) + r) * N + (col), tile_out + r * kCols,       \
+                      (cols) * sizeof(float));                                   \
+      }                                                                          \
     } else {                                                                     \
       _tile_stored(T, tile_out, kCols * sizeof(float));                          \
-      for (int64_t r = 0; r < (rows); ++r)                                       \
-        std::memcpy(out + ((row) + r) * N + (col), tile_out + r * kCols,         \
-                    (cols) * sizeof(float));                                     \
+      store_bf16_sums(tile_out, rows, cols, N, out + (row) * N + (col));         \
     }                                                                            \
   } while (0)
 
 // out's columns [col, col + 32) (those below N; `pair` false: [col, col + 16)) = x times the
 // panels p0 and p1 (the next block's), 32 rows at a time: tiles 0-3 the sums of (rows 0-15,
 // p0), (0-15, p1), (16-31, p0), (16-31, p1); 4-5 x's rows, 6-7 the panels
+template <typename Out>
 void multiply_panels(const uint16_t* x16, int64_t M, int64_t K, int64_t N, const uint16_t* p0,
-                     const uint16_t* p1, bool pair, int64_t col, float* tile_out, float* out) {
+                     const uint16_t* p1, bool pair, int64_t col, float* tile_out, Out* out) {
   const int64_t stride = K * sizeof(uint16_t);
   const int64_t cols0 = std::min<int64_t>(kCols, N - col);
   const int64_t cols1 = pair ? std::min<int64_t>(kCols, N - col - kCols) : 0;
@@ -259,13 +283,16 @@ void splitfuse_int4::amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64
   hand_on(pending_end - pending);
 }
 
-void splitfuse_int4::amx_int4_columns(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
+namespace {
+
+template <typename Out>
+void columns_on_tiles(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
                                       const uint8_t* packed, const uint16_t* scales,
                                       const uint16_t* mins, int64_t group_size,
                                       int64_t block_begin, int64_t block_end, uint16_t* panels,
-                                      float* tile_out, float* out) {
+                                      float* tile_out, Out* out) {
   // every tile 16 rows of 64 bytes: 0-3 sums, 4-5 rows of x, 6-7 panels (multiply_panels)
-  configure_full_tiles();
+  splitfuse_int4::configure_full_tiles();
   const int64_t groups = K / group_size;
   uint16_t* p0 = panels;
   uint16_t* p1 = panels + K * kCols;
@@ -278,6 +305,26 @@ void splitfuse_int4::amx_int4_columns(const uint16_t* x16, int64_t M, int64_t K,
                  mins + (b + 1) * groups * kCols, K, group_size, p1);
     multiply_panels(x16, M, K, N, p0, p1, pair, b * kCols, tile_out, out);
   }
+}
+
+}  // namespace
+
+void splitfuse_int4::amx_int4_columns(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
+                                      const uint8_t* packed, const uint16_t* scales,
+                                      const uint16_t* mins, int64_t group_size,
+                                      int64_t block_begin, int64_t block_end, uint16_t* panels,
+                                      float* tile_out, float* out) {
+  columns_on_tiles(x16, M, K, N, packed, scales, mins, group_size, block_begin, block_end, panels,
+                   tile_out, out);
+}
+
+void splitfuse_int4::amx_int4_columns_bf16(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
+                                           const uint8_t* packed, const uint16_t* scales,
+                                           const uint16_t* mins, int64_t group_size,
+                                           int64_t block_begin, int64_t block_end,
+                                           uint16_t* panels, float* tile_out, uint16_t* out) {
+  columns_on_tiles(x16, M, K, N, packed, scales, mins, group_size, block_begin, block_end, panels,
+                   tile_out, out);
 }
 
 #pragma GCC pop_options

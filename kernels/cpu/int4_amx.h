@@ -26,6 +26,14 @@ void amx_int4_columns(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
                       int64_t group_size, int64_t block_begin, int64_t block_end,
                       uint16_t* panels, float* tile_out, float* out);
 
+// amx_int4_columns with out [M, N] bfloat16 bits: each float32 sum rounded to nearest even, as
+// torch rounds the float32 result (int4_linear asked for x's dtype: no float32 result to write,
+// read back and round in another pass).
+void amx_int4_columns_bf16(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
+                           const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
+                           int64_t group_size, int64_t block_begin, int64_t block_end,
+                           uint16_t* panels, float* tile_out, uint16_t* out);
+
 // SwiGLU's two products of one column block on the tiles: gate block `gate` and up block `up`
 // (16 columns each, packed as amx_int4_columns reads them) times x16's rows, as
 // amx_int4_columns computes each (the same bits), 32 rows at a time. Row r's 16 gate sums and

@@ -241,10 +241,12 @@ at::Tensor packed_product(const at::Tensor& x, int64_t N, int64_t blocks, Column
   return out;
 }
 
-// out_ptr's rows [0, M) of N float32 = x's rows on AMX tiles: x as bfloat16 bits in rows padded
-// to a multiple of 16 (the padding zeros), the threads taking pairs of column blocks in turn
+// out_ptr's rows [0, M) of N float32 (or bfloat16 bits, rounded) = x's rows on AMX tiles: x as
+// bfloat16 bits in rows padded to a multiple of 16 (the padding zeros), the threads taking
+// pairs of column blocks in turn
+template <typename Out>
 void amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uint16_t* sc_ptr,
-                      const uint16_t* mn_ptr, int64_t N, int64_t group_size, float* out_ptr) {
+                      const uint16_t* mn_ptr, int64_t N, int64_t group_size, Out* out_ptr) {
   const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor rows = splitfuse_int4::tile_rows(x);
   const auto* x16 = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
@@ -253,10 +255,15 @@ void amx_int4_product(const at::Tensor& x, const uint8_t* w_ptr, const uint16_t*
     alignas(64) float tile_out[16 * 16];
     uint16_t* panels = splitfuse_int4::amx_panel_scratch(K);
     TORCH_CHECK(panels != nullptr, "int4_linear: out of memory for ", 2 * K * 16, " values");
-    for (int64_t pair = next(); pair >= 0; pair = next())
-      splitfuse_int4::amx_int4_columns(x16, M, K, N, w_ptr, sc_ptr, mn_ptr, group_size,
-                                       2 * pair, std::min(blocks, 2 * pair + 2), panels,
-                                       tile_out, out_ptr);
+    for (int64_t pair = next(); pair >= 0; pair = next()) {
+      const int64_t begin = 2 * pair, end = std::min(blocks, 2 * pair + 2);
+      if constexpr (std::is_same_v<Out, float>)
+        splitfuse_int4::amx_int4_columns(x16, M, K, N, w_ptr, sc_ptr, mn_ptr, group_size, begin,
+                                         end, panels, tile_out, out_ptr);
+      else
+        splitfuse_int4::amx_int4_columns_bf16(x16, M, K, N, w_ptr, sc_ptr, mn_ptr, group_size,
+                                              begin, end, panels, tile_out, out_ptr);
+    }
     splitfuse_int4::amx_release();
   });
 }
@@ -272,7 +279,8 @@ int64_t splitfuse_int4::tile_rows_from() { return tile_from_row; }
 namespace {
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& mins, int64_t out_features, int64_t group_size) {
+                       const at::Tensor& mins, int64_t out_features, int64_t group_size,
+                       bool round_to_x) {
   check_rows("int4_linear", x, group_size);
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   const int64_t blocks = (N + 15) / 16;
@@ -284,17 +292,34 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const auto* mn_ptr = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   // rows [0, from) on the integer products, [from, M) on the tiles, into one result
   const int64_t from = splitfuse_int4::amx_ready() ? std::min(M, tile_from_row) : M;
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* out_ptr = out.data_ptr<float>();
-  packed_product_into(x.narrow(0, 0, from), out_ptr, blocks,
-                      [&](const RoundedRows& rows, int64_t begin, int64_t end, float* tile_out,
-                          float* result) {
-                        kernels.columns(rows.q, rows.d, rows.s, from, K, N, w_ptr, sc_ptr,
-                                        mn_ptr, group_size, begin, end, tile_out, result);
-                      });
+  const auto integer_rows = [&](float* into) {
+    packed_product_into(x.narrow(0, 0, from), into, blocks,
+                        [&](const RoundedRows& rows, int64_t begin, int64_t end, float* tile_out,
+                            float* result) {
+                          kernels.columns(rows.q, rows.d, rows.s, from, K, N, w_ptr, sc_ptr,
+                                          mn_ptr, group_size, begin, end, tile_out, result);
+                        });
+  };
+  if (!round_to_x || x.scalar_type() == at::kFloat) {
+    at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+    float* out_ptr = out.data_ptr<float>();
+    integer_rows(out_ptr);
+    if (from < M)
+      amx_int4_product(x.narrow(0, from, M - from), w_ptr, sc_ptr, mn_ptr, N, group_size,
+                       out_ptr + from * N);
+    return out;
+  }
+  // bfloat16 out: the integer rows' float32 results rounded as torch rounds them, the tile
+  // rows' sums rounded as the tiles give them
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (from > 0) {
+    at::Tensor sums = at::empty({from, N}, x.options().dtype(at::kFloat));
+    integer_rows(sums.data_ptr<float>());
+    out.narrow(0, 0, from).copy_(sums);
+  }
   if (from < M)
     amx_int4_product(x.narrow(0, from, M - from), w_ptr, sc_ptr, mn_ptr, N, group_size,
-                     out_ptr + from * N);
+                     reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + from * N);
   return out;
 }
 
@@ -317,8 +342,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
+  // round_to_x: the result in x's dtype (bfloat16 sums rounded to nearest even), else float32
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int out_features, "
-        "int group_size) -> Tensor");
+        "int group_size, bool round_to_x=False) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, "
         "int group_size) -> Tensor");
   m.def("int4_instruction_set() -> str", [] { return std::string(kernels.name); });

@@ -327,6 +327,46 @@ def test_activations_round_to_int8_in_runs_of_32():
     assert quantize_activations(ties)[0][0, :5].tolist() == [127, 0, 2, 2, 0]
 
 
+@pytest.mark.parametrize("num_out,num_in,group_size", [(48, 64, 32), (40, 128, 64), (9, 96, 96)])
+def test_a_product_rounded_to_x_is_the_float32_result_rounded(num_out, num_in, group_size):
+    """``int4_linear(..., round_to_x=True)`` = ``int4_linear(...).to(x.dtype)`` bit for bit:
+    float32 and bfloat16 rows, whole and partial column blocks (40 = 2.5, 9 < 1), prompt rows
+    on the tiles from any row (where the CPU has them) or none, 100 rows in strips of 32 and a
+    partial one; a NaN stays NaN and infinities stay infinite."""
+    if load() == "torch":
+        pytest.skip("the C++ operators are not built here")
+    ops = torch.ops.splitfuse_cpu
+    torch.manual_seed(num_out)
+    packed = PackedInt4.pack(quantize(torch.randn(num_out, num_in) * 0.1, 4, group_size))
+    weight = packed.packed, packed.scales, packed.mins
+    for num_rows in (1, 17, 40, 100):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(num_rows, num_in) * 2).to(dtype)
+            x[num_rows // 2, 3] = float("nan")
+            x[0, 5] = float("inf")
+            for first in (None, 0, num_rows // 2, num_rows):
+                with int4_tile_rows(first):
+                    want = ops.int4_linear(x, *weight, num_out, group_size).to(dtype)
+                    got = ops.int4_linear(x, *weight, num_out, group_size, True)
+                assert got.dtype == dtype
+                assert torch.equal(got.isnan(), want.isnan())
+                assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    if has_int4_tiles():  # ties on the tiles go to the even neighbour: 1 + 3 * 2^-8 -> 1 + 2^-6
+        ones = QuantizedTensor(
+            pack_4bit(torch.ones(16, 64, dtype=torch.uint8)),
+            torch.ones(16, 2, dtype=torch.half),
+            torch.zeros(16, 2, dtype=torch.half),
+            4,
+            32,
+        )
+        tied = PackedInt4.pack(ones)
+        x = torch.zeros(16, 64, dtype=torch.bfloat16)
+        x[:, 0], x[:, 1], x[:, 2] = 1.0, 2.0**-7, 2.0**-8
+        with int4_tile_rows(0):
+            got = ops.int4_linear(x, tied.packed, tied.scales, tied.mins, 16, 32, True)
+        assert (got == 1 + 2.0**-6).all()
+
+
 @pytest.mark.parametrize(
     "intermediate,num_in,group_size", [(48, 64, 32), (80, 128, 64), (16, 96, 96)]
 )
