@@ -216,21 +216,16 @@ SF_CLONES void silu_mul_loop(const float* gate, const float* up, float* act, int
 // steps as silu() and exp_nonpositive() (their multiply-adds fused; the polynomial is the one
 // fixed_order_attention_body.h's exp16_nonpositive spells in vector extensions, whose clamp and
 // bits for attention's weights differ), 1 / (1 + e) by a reciprocal and a Newton step, and
-// round_bf16 in integer operations.
+// round_bf16 in integer operations (bf16_avx512.h).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
+#include "bf16_avx512.h"
+
 namespace rows_avx512 {
 
-inline __m512 round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb),
-                       _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, bits));
-}
+using splitfuse_bf16::load_bf16;
+using splitfuse_bf16::round_bf16;
+using splitfuse_bf16::store_bf16;
 
 inline __m512 silu(__m512 x) {
   __m512 t = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)),
@@ -261,16 +256,6 @@ inline __m512 silu(__m512 x) {
 inline __m512 act(__m512 gate, __m512 up, bool bf16) {
   return bf16 ? round_bf16(_mm512_mul_ps(round_bf16(silu(gate)), up))
               : _mm512_mul_ps(silu(gate), up);
-}
-
-inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
-  const __m256i half = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-inline void store_bf16(uint16_t* p, __m512 v, __mmask16 mask) {
-  const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
-  _mm256_mask_storeu_epi16(p, mask, half);
 }
 
 void silu_mul(const float* gate, const float* up, float* out, int64_t n, bool bf16) {

@@ -77,6 +77,7 @@ void splitfuse_int4::amx_release() {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
+#include "bf16_avx512.h"
 
 namespace {
 
@@ -145,21 +146,14 @@ void int4_panel(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
   }
 }
 
-// the 16 x 16 sums in tile_out as bfloat16 (to nearest even; NaN stays NaN) into out's rows
-// [row, row + rows) and columns [col, col + cols)
+// the 16 x 16 sums in tile_out as bfloat16 (bf16_avx512.h's rounding) into out's rows
+// [0, rows) (N apart) and columns [0, cols)
 inline void store_bf16_sums(const float* tile_out, int64_t rows, int64_t cols, int64_t N,
                             uint16_t* out) {
   const __mmask16 mask = cols >= 16 ? __mmask16(0xffff) : __mmask16((1u << cols) - 1);
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512i bits = _mm512_castps_si512(_mm512_load_ps(tile_out + r * kCols));
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
-    _mm256_mask_storeu_epi16(out + r * N, mask,
-                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    splitfuse_bf16::store_bf16(
+        out + r * N, splitfuse_bf16::round_bf16(_mm512_load_ps(tile_out + r * kCols)), mask);
 }
 
 // tile T's 16 x 16 sums into out's rows [row, row + rows) and columns [col, col + cols) (a tile
@@ -287,10 +281,9 @@ namespace {
 
 template <typename Out>
 void columns_on_tiles(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
-                                      const uint8_t* packed, const uint16_t* scales,
-                                      const uint16_t* mins, int64_t group_size,
-                                      int64_t block_begin, int64_t block_end, uint16_t* panels,
-                                      float* tile_out, Out* out) {
+                      const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
+                      int64_t group_size, int64_t block_begin, int64_t block_end,
+                      uint16_t* panels, float* tile_out, Out* out) {
   // every tile 16 rows of 64 bytes: 0-3 sums, 4-5 rows of x, 6-7 panels (multiply_panels)
   splitfuse_int4::configure_full_tiles();
   const int64_t groups = K / group_size;
