@@ -1,7 +1,8 @@
 // What int4_linear.cpp shares with the other operators of kernels/cpu/ (decode_stack.cpp): the
 // kernels of the 4-bit product (and of the packed 8-bit one) for the widest instruction set the
-// CPU runs, to call on raw pointers from a parallel region of the caller's own, and x's rows as
-// the integer products and the AMX tiles read them.
+// CPU runs, to call on raw pointers from a parallel region of the caller's own, x's rows as
+// the integer products and the AMX tiles read them, and how threads share a product's column
+// blocks (Claims, share_units).
 #pragma once
 
 #include <ATen/ATen.h>
