@@ -175,36 +175,45 @@ inline void store_bf16_sums(const float* tile_out, int64_t rows, int64_t cols, i
     }                                                                            \
   } while (0)
 
+// One strip of 32 rows of x (16 where `two` is false) times the panels p0 and p1 (`pair` false:
+// p0 alone) on the tiles: tiles 0-3 the sums of (rows 0-15, p0), (0-15, p1), (16-31, p0),
+// (16-31, p1); 4-5 x's rows, 6-7 the panels. meanwhile() runs after each step of K (32 values),
+// while the tiles multiply.
+template <typename Meanwhile>
+inline void multiply_strip(const uint16_t* x, int64_t K, const uint16_t* p0, const uint16_t* p1,
+                           bool pair, bool two, const Meanwhile& meanwhile) {
+  const int64_t stride = K * sizeof(uint16_t);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, x + k, stride);
+    _tile_loadd(6, p0 + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (pair) {
+      _tile_loadd(7, p1 + k * 16, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (two) {
+      _tile_loadd(5, x + 16 * K + k, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (pair) _tile_dpbf16ps(3, 5, 7);
+    }
+    meanwhile();
+  }
+}
+
 // out's columns [col, col + 32) (those below N; `pair` false: [col, col + 16)) = x times the
-// panels p0 and p1 (the next block's), 32 rows at a time: tiles 0-3 the sums of (rows 0-15,
-// p0), (0-15, p1), (16-31, p0), (16-31, p1); 4-5 x's rows, 6-7 the panels
+// panels p0 and p1 (the next block's), 32 rows at a time (multiply_strip)
 template <typename Out>
 void multiply_panels(const uint16_t* x16, int64_t M, int64_t K, int64_t N, const uint16_t* p0,
                      const uint16_t* p1, bool pair, int64_t col, float* tile_out, Out* out) {
-  const int64_t stride = K * sizeof(uint16_t);
   const int64_t cols0 = std::min<int64_t>(kCols, N - col);
   const int64_t cols1 = pair ? std::min<int64_t>(kCols, N - col - kCols) : 0;
   for (int64_t r0 = 0; r0 < M; r0 += 32) {
     const bool two = r0 + 16 < M;
-    const uint16_t* x = x16 + r0 * K;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < K; k += 32) {
-      _tile_loadd(4, x + k, stride);
-      _tile_loadd(6, p0 + k * 16, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if (pair) {
-        _tile_loadd(7, p1 + k * 16, 64);
-        _tile_dpbf16ps(1, 4, 7);
-      }
-      if (two) {
-        _tile_loadd(5, x + 16 * K + k, stride);
-        _tile_dpbf16ps(2, 5, 6);
-        if (pair) _tile_dpbf16ps(3, 5, 7);
-      }
-    }
+    multiply_strip(x16 + r0 * K, K, p0, p1, pair, two, [] {});
     const int64_t rows0 = std::min<int64_t>(16, M - r0), rows1 = std::min<int64_t>(16, M - r0 - 16);
     SF_STORE_SUMS(0, r0, rows0, col, cols0);
     if (pair) SF_STORE_SUMS(1, r0, rows0, col + kCols, cols1);
@@ -230,7 +239,7 @@ void splitfuse_int4::amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64
   uint16_t* p1 = panels + K * kCols;
   int4_panel(gate.packed, gate.scales, gate.mins, K, group_size, p0);
   int4_panel(up.packed, up.scales, up.mins, K, group_size, p1);
-  const int64_t stride = K * sizeof(uint16_t), steps = K / 32;
+  const int64_t steps = K / 32;
   // a strip's sums in sums[strip % 2]: 4 tiles of 16 x 16, (rows 0-15 gate, up), (16-31 gate,
   // up); the strip before hands its rows on, `per_step` of them at each step of K, as the tiles
   // multiply
@@ -245,24 +254,7 @@ void splitfuse_int4::amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64
   };
   for (int64_t r0 = 0; r0 < M; r0 += 32) {
     const bool two = r0 + 16 < M;
-    const uint16_t* x = x16 + r0 * K;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < K; k += 32) {
-      _tile_loadd(4, x + k, stride);
-      _tile_loadd(6, p0 + k * 16, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, p1 + k * 16, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      if (two) {
-        _tile_loadd(5, x + 16 * K + k, stride);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      hand_on(per_step);
-    }
+    multiply_strip(x16 + r0 * K, K, p0, p1, true, two, [&] { hand_on(per_step); });
     hand_on(pending_end - pending);
     float* strip = sums + ((r0 >> 5) & 1) * 4 * 256;
     _tile_stored(0, strip, kCols * sizeof(float));
