@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from kernel_reference import (
     run_attention,
 )
 
+from engine.device import cpu_flags
 from kernels import (
     BACKENDS,
     AttentionMetadata,
@@ -385,6 +389,43 @@ def test_the_norm_rotary_and_silu_of_a_row_do_not_depend_on_the_other_rows(dtype
     assert torch.equal(summed, want_summed)
     torch.testing.assert_close(rotated, sdpa_backend.rotary(heads, rope), atol=atol, rtol=rtol)
     torch.testing.assert_close(act, sdpa_backend.silu_mul(gate_up), atol=atol, rtol=rtol)
+
+
+_SILU_BITS = """
+import sys, torch
+from kernels.cpu_ops import load
+load()
+generator = torch.Generator().manual_seed(7)
+gate_up = 20 * torch.randn(37, 2 * 1541, generator=generator)
+special = [float("nan"), float("inf"), -float("inf"), -87.0, 87.0, -88.0, 0.0, -0.0]
+gate_up.view(-1)[:64] = torch.tensor(special * 8)
+gate_up.view(-1)[64:128] = torch.linspace(-100, 100, 64)
+gate_up[:, 1541:1541 + 64] = torch.tensor(special * 8)  # up values too
+rows = torch.ops.splitfuse_cpu.silu_mul_rows
+torch.save([rows(gate_up), rows(gate_up.bfloat16())], sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not backend.cpu_kernel, reason="the C++ operators are not built")
+@pytest.mark.skipif("avx2" not in cpu_flags(), reason="this CPU has no AVX2")
+def test_silu_rows_on_avx2_give_the_loops_bits(tmp_path):
+    """``silu_mul_rows`` held to AVX2 (the vector SiLU of CPUs without AVX-512) gives the bits of
+    the per-value loop (``SPLITFUSE_CPU_ISA=sse2``), NaN, infinities, the clamp at -87 and a row
+    length that is not a whole number of vectors included."""
+    results = {}
+    for isa in ("avx2", "sse2"):
+        path = tmp_path / f"{isa}.pt"
+        done = subprocess.run(
+            [sys.executable, "-c", _SILU_BITS, str(path)],
+            env={**os.environ, "SPLITFUSE_CPU_ISA": isa},
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[isa] = torch.load(path)
+    for got, want in zip(results["avx2"], results["sse2"], strict=True):
+        bits = torch.int32 if got.dtype == torch.float32 else torch.int16
+        assert torch.equal(got.view(bits), want.view(bits))
 
 
 def test_rope_rows_are_the_tables_rows_of_the_positions():
