@@ -455,14 +455,11 @@ namespace {
 
 // The row operators' widest body: AVX-512, AVX2 (SiLU only) or the loops; SPLITFUSE_CPU_ISA=avx2
 // or sse2 asks for a narrower one, as for the quantized product
-std::string rows_limit() {
-  const char* asked = std::getenv("SPLITFUSE_CPU_ISA");
-  return asked == nullptr ? "" : asked;
-}
-const bool kRowsAvx512 = rows_limit() != "avx2" && rows_limit() != "sse2" &&
-                         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-const bool kRowsAvx2 = rows_limit() != "sse2" && __builtin_cpu_supports("avx2");
+const std::string kRowsLimit = std::getenv("SPLITFUSE_CPU_ISA") ? std::getenv("SPLITFUSE_CPU_ISA") : "";
+const bool kRowsAvx2 = kRowsLimit != "sse2" && __builtin_cpu_supports("avx2");
+const bool kRowsAvx512 = kRowsAvx2 && kRowsLimit != "avx2" && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512vl");
 
 // act[i] = round(round(silu(gate[i])) * up[i]) (bf16: rounded to bfloat16 as shown; else
 // silu(gate[i]) * up[i]), on AVX-512 or AVX2 where the CPU has it (AVX2: silu_mul_loop's bits)
