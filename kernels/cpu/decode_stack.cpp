@@ -142,8 +142,16 @@ inline float silu(float x) {
 
 // The elementwise loops, compiled for AVX-512, AVX2 and the baseline (picked at load).
 #define SF_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// The loops of float arithmetic (norms, SiLU, rotary) run only where the AVX-512 rows do not:
+// on CPUs without AVX-512, or held below it by SPLITFUSE_CPU_ISA. They are compiled for AVX2
+// and the baseline alone, neither of which fuses a multiply and an add (-ffp-contract=fast
+// fuses them only for a target with FMA), so that a CPU held to AVX2 computes them as an
+// AVX2-only CPU does. An AVX-512 clone fused them: held to AVX2, an Intel Xeon's SiLU then gave
+// other bits than an AVX2-only AMD EPYC's (272 values of 37 x 1541; the test of
+// rows_avx2::silu_mul against the loop found it).
+#define SF_FLOAT_CLONES __attribute__((target_clones("avx2", "default")))
 
-// out[i] = in[i] rounded to the activations' dtype
+// out[i] = in[i] rounded to the activations' dtype (integer operations: every clone's bits)
 SF_CLONES void round_into(const float* in, float* out, int64_t n, bool bf16) {
   if (bf16)
     for (int64_t i = 0; i < n; ++i) out[i] = round_bf16(in[i]);
@@ -171,7 +179,7 @@ inline float bf16_value(uint16_t bits) {
 }
 
 // norm_row (below) written for the compiler to vectorize (CPUs without AVX-512)
-SF_CLONES void norm_row_loop(const float* in, float* residual, const float* w, float* out,
+SF_FLOAT_CLONES void norm_row_loop(const float* in, float* residual, const float* w, float* out,
                              int64_t n, float eps, bool first, bool bf16) {
   for (int64_t i = 0; i < n; ++i) {
     const float sum = first ? in[i] : in[i] + residual[i];
@@ -186,7 +194,7 @@ SF_CLONES void norm_row_loop(const float* in, float* residual, const float* w, f
 
 // norm_row_loop's bfloat16 case on bfloat16 rows: the sum into `sum` (n floats) and, without
 // `first`, as bfloat16 into summed; the same arithmetic, the same bits
-SF_CLONES void norm_row_bf16_loop(const uint16_t* in, const uint16_t* residual,
+SF_FLOAT_CLONES void norm_row_bf16_loop(const uint16_t* in, const uint16_t* residual,
                                   const float* w, uint16_t* out, uint16_t* summed, float* sum,
                                   int64_t n, float eps, bool first) {
   if (first) {
@@ -203,7 +211,7 @@ SF_CLONES void norm_row_bf16_loop(const uint16_t* in, const uint16_t* residual,
 
 // act[i] = round(round(silu(gate[i])) * up[i]), written for the compiler to vectorize (CPUs
 // without AVX-512; silu_mul below picks)
-SF_CLONES void silu_mul_loop(const float* gate, const float* up, float* act, int64_t n,
+SF_FLOAT_CLONES void silu_mul_loop(const float* gate, const float* up, float* act, int64_t n,
                              bool bf16) {
   if (bf16)
     for (int64_t i = 0; i < n; ++i) act[i] = round_bf16(round_bf16(silu(gate[i])) * up[i]);
@@ -519,7 +527,7 @@ void norm_row_bf16(const uint16_t* in, const uint16_t* residual, const float* w,
 // their own as the model computes them (no fused multiply-add: fp-contract off, in every
 // clone), then to the activations' dtype. (Written inline in the step, the loop ran as the
 // baseline's SSE2 code: 32 decode tokens, 2 threads, steps alternating 30.66 -> 29.78 ms.)
-__attribute__((optimize("fp-contract=off"))) SF_CLONES void rotate_head_loop(
+__attribute__((optimize("fp-contract=off"))) SF_FLOAT_CLONES void rotate_head_loop(
     const float* in, const float* cos, const float* sin, float* out, int64_t half, bool bf16) {
   if (bf16) {
     for (int64_t i = 0; i < half; ++i) {
@@ -535,7 +543,7 @@ __attribute__((optimize("fp-contract=off"))) SF_CLONES void rotate_head_loop(
 }
 
 // rotate_head_loop's bfloat16 case on a bfloat16 head: the same arithmetic, the same bits
-__attribute__((optimize("fp-contract=off"))) SF_CLONES void rotate_head_bf16_loop(
+__attribute__((optimize("fp-contract=off"))) SF_FLOAT_CLONES void rotate_head_bf16_loop(
     const uint16_t* in, const float* cos, const float* sin, uint16_t* out, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
     const float a = bf16_value(in[i]), b = bf16_value(in[i + half]);
