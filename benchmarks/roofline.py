@@ -1,6 +1,6 @@
 """The engine's speed as a fraction of this machine's own limits, measured in one process.
 
-    python benchmarks/roofline.py                 # the default model, as served (auto dtype)
+    python benchmarks/roofline.py                 # the default model unquantized (auto dtype)
     python benchmarks/roofline.py --dtype float32 --skip-served
     python benchmarks/roofline.py --quantization int4 --skip-served   # the GGUF's 4-bit blocks
 
@@ -179,6 +179,11 @@ def decode_step_seconds(
         stats = engine.stats()
         if stats.last_step_num_tokens == num_streams and stats.num_waiting == 0 and tokens:
             times.append(seconds * num_streams / tokens)
+    if not times:
+        raise SystemExit(
+            f"no step decoded all {num_streams} requests alone: with {steps} decode steps each, "
+            "the first requests finished before the last prompts were read; raise --decode-steps"
+        )
     return statistics.median(times[1:] or times)
 
 
@@ -301,15 +306,22 @@ def served_vs_offline(engine: LLMEngine, args: argparse.Namespace) -> tuple[floa
     return served["output_throughput"], offline["output_throughput"]
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's (auto)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
-    parser.add_argument("--decode-steps", type=int, default=48)
-    parser.add_argument("--prefill-prompts", type=int, default=64)
-    parser.add_argument("--served-requests", type=int, default=64)
+    parser.add_argument("--threads", type=_positive, help="CPU threads (default: all)")
+    parser.add_argument("--decode-steps", type=_positive, default=48)
+    parser.add_argument("--prefill-prompts", type=_positive, default=64)
+    parser.add_argument("--served-requests", type=_positive, default=64)
     parser.add_argument("--quantization", default="none", help="none, int8, int4 or auto")
     parser.add_argument(
         "--scheduler-steps",
