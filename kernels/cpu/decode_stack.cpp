@@ -179,8 +179,8 @@ inline float bf16_value(uint16_t bits) {
 }
 
 // norm_row (below) written for the compiler to vectorize (CPUs without AVX-512)
-SF_FLOAT_CLONES void norm_row_loop(const float* in, float* residual, const float* w, float* out,
-                             int64_t n, float eps, bool first, bool bf16) {
+SF_FLOAT_CLONES void norm_row_loop(const float* in, float* residual, const float* w,
+                                   float* out, int64_t n, float eps, bool first, bool bf16) {
   for (int64_t i = 0; i < n; ++i) {
     const float sum = first ? in[i] : in[i] + residual[i];
     residual[i] = bf16 && !first ? round_bf16(sum) : sum;
@@ -195,8 +195,8 @@ SF_FLOAT_CLONES void norm_row_loop(const float* in, float* residual, const float
 // norm_row_loop's bfloat16 case on bfloat16 rows: the sum into `sum` (n floats) and, without
 // `first`, as bfloat16 into summed; the same arithmetic, the same bits
 SF_FLOAT_CLONES void norm_row_bf16_loop(const uint16_t* in, const uint16_t* residual,
-                                  const float* w, uint16_t* out, uint16_t* summed, float* sum,
-                                  int64_t n, float eps, bool first) {
+                                        const float* w, uint16_t* out, uint16_t* summed,
+                                        float* sum, int64_t n, float eps, bool first) {
   if (first) {
     for (int64_t i = 0; i < n; ++i) sum[i] = bf16_value(in[i]);
   } else {
@@ -212,7 +212,7 @@ SF_FLOAT_CLONES void norm_row_bf16_loop(const uint16_t* in, const uint16_t* resi
 // act[i] = round(round(silu(gate[i])) * up[i]), written for the compiler to vectorize (CPUs
 // without AVX-512; silu_mul below picks)
 SF_FLOAT_CLONES void silu_mul_loop(const float* gate, const float* up, float* act, int64_t n,
-                             bool bf16) {
+                                   bool bf16) {
   if (bf16)
     for (int64_t i = 0; i < n; ++i) act[i] = round_bf16(round_bf16(silu(gate[i])) * up[i]);
   else
