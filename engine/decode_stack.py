@@ -37,6 +37,7 @@ import torch
 from engine.input_builder import DecodeSteps
 from engine.layers import MatmulLayer
 from engine.models.llama import MLP, LlamaForCausalLM
+from engine.packed_linear import BLOCKED_ROWS_AMX
 from engine.parallel import ParallelContext
 from kernels.metadata import AttentionMetadata
 
@@ -92,8 +93,14 @@ class DecodeStack:
             weights += head[:4]
         first = stack.layers[0]
         max_tokens = MAX_TOKENS
-        if kind == BLOCKED:  # (with AMX tiles oneDNN runs more than a few rows)
-            max_tokens = min(max_tokens, *(p.blocked_rows for p in _products(first)))
+        if kind == BLOCKED:  # (with AMX the tiles run more than a few rows)
+            max_tokens = min(
+                max_tokens,
+                *(
+                    BLOCKED_ROWS_AMX if p.blocked_tiles else p.blocked_rows
+                    for p in _products(first)
+                ),
+            )
         sizes = [
             first.self_attn.num_heads,
             first.self_attn.num_kv_heads,

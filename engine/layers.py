@@ -133,6 +133,9 @@ class MatmulLayer(QuantizableWeight):
         # of the module so that a graph of a fixed row count passes it to the operator itself
         self.register_buffer("blocked_weight", None, persistent=False)
         self.blocked_rows = 0
+        # whether products of more than a few rows multiply that buffer on AMX tiles
+        # (``PackedWeight.tiles``: a graph reads no attribute of the opaque packed weight)
+        self.blocked_tiles = False
         # deterministic mode (``set_deterministic``): a row's product never depends on the others;
         # in_tiles: the product runs as calls of TILE_ROWS rows (else whole, a single row as two)
         self.deterministic = False
@@ -183,6 +186,7 @@ class MatmulLayer(QuantizableWeight):
         assert self.packed_weight is not None
         self.blocked_weight = self.packed_weight.blocked
         self.blocked_rows = self.packed_weight.blocked_rows
+        self.blocked_tiles = self.packed_weight.tiles
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.deterministic:
@@ -191,14 +195,31 @@ class MatmulLayer(QuantizableWeight):
             return fixed_tiles(self._product, x, bias)
         return at_least_two_rows(self._product, x, bias)
 
-    def silu_mul_product(self, x: torch.Tensor) -> torch.Tensor | None:
+    def silu_mul_product(self, x: torch.Tensor, row_ops: bool = True) -> torch.Tensor | None:
         """SwiGLU's ``silu(gate) * up`` of this gate-and-up layer's product of x (the gate the
-        first half of its outputs, the up the second), in x's dtype, in one call of
-        ``splitfuse_cpu::int4_silu_mul`` (the same bits as the product, its rounding to x's
-        dtype and ``silu_mul_rows``): 4-bit weights packed for the CPU's integer products, no
-        bias, outside deterministic mode, halves of whole 16-column blocks. None elsewhere."""
+        first half of its outputs, the up the second), in x's dtype, in one C++ call, no bias,
+        outside deterministic mode, None elsewhere:
+        - 4-bit weights packed for the CPU's integer products, halves of whole 16-column
+          blocks, where the forward runs the row operators (``row_ops``):
+          ``splitfuse_cpu::int4_silu_mul``, the same bits as the product, its rounding to x's
+          dtype and ``silu_mul_rows``;
+        - bfloat16 weights and rows on a CPU with AMX, the weight's packed buffer in the layout
+          ``blocked_linear`` reads (``blocked_tiles``), halves of whole 64-column blocks:
+          ``splitfuse_cpu::blocked_silu_mul``, the same bits as ``blocked_linear`` then
+          ``silu_mul_rows``; the [rows, 2 * intermediate] product never reaches memory."""
+        if self.bias is not None or self.deterministic:
+            return None
+        if (
+            self.blocked_tiles
+            and self.blocked_weight is not None
+            and x.dtype == torch.bfloat16
+            and self.product_shape[0] % 128 == 0
+        ):
+            return torch.ops.splitfuse_cpu.blocked_silu_mul(
+                x.contiguous(), self.blocked_weight, self.product_shape[0] // 2
+            )
         half = self.int4_out_features // 2
-        if not half or half % 16 or self.bias is not None or self.deterministic:
+        if not half or half % 16 or not row_ops:
             return None
         rows = x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous()
         act = torch.ops.splitfuse_cpu.int4_silu_mul(

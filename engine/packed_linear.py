@@ -47,9 +47,14 @@ def can_pack(weight: torch.Tensor) -> bool:
 # the default model's 121 products in turn (2 threads, AMD EPYC with AVX-512 BF16, no AMX), time
 # for all of them, oneDNN -> blocked_linear: 1 row 16.7 -> 11.0 ms, 4 rows 15.9 -> 10.3 ms, 8
 # rows 16.9 -> 11.2 ms, 32 rows 31.0 -> 26.2 ms, 64 rows 54.7 -> 47.5 ms, 128 rows 95.7 -> 91.2
-# ms; even from there on. With AMX tiles oneDNN multiplies many rows several times faster than
-# VDPBF16PS can, so there the kernel keeps the steps bound by reading the weights alone.
+# ms; even from there on. With AMX tiles ``blocked_linear`` runs every row count: up to 4 rows
+# with VDPBF16PS as elsewhere (steps bound by reading the weights), more on the tiles, reading
+# the same buffer in place. The default model's 4 products of a layer (2 threads, Intel Xeon
+# with AMX, oneDNN -> tiles, best of 20, alternating): 16 rows 0.22 -> 0.17 ms, 64 rows 0.42-0.46
+# -> 0.32-0.36 ms, 256 rows 0.99-1.08 -> 0.88-0.90 ms, 512 rows 1.68-1.70 -> 1.73-1.74 ms.
 BLOCKED_ROWS = 64
+# Tokens up to which a decode step of bfloat16 weights runs the C++ decode stack on a CPU with
+# AMX (``engine/decode_stack.py``), whose products are VDPBF16PS's: more run on the tiles.
 BLOCKED_ROWS_AMX = 4
 
 # output columns per block of the layout ``blocked_linear`` reads
@@ -67,7 +72,9 @@ class PackedWeight(OpaqueBase):
         weight = weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         self.blocked = _blocked_view(self.packed, weight)
-        self.blocked_rows = BLOCKED_ROWS_AMX if _has_amx() else BLOCKED_ROWS
+        # AMX: blocked_linear multiplies every row count, more than 4 rows on the tiles
+        self.tiles = self.blocked is not None and _has_amx()
+        self.blocked_rows = sys.maxsize if self.tiles else BLOCKED_ROWS
 
     def one_kernel(self) -> None:
         """From now on one kernel runs every product, so that a row's sums run in one order
@@ -78,6 +85,8 @@ class PackedWeight(OpaqueBase):
             self.blocked_rows = sys.maxsize
         else:
             self.blocked = None
+            self.blocked_rows = 0
+            self.tiles = False
 
 
 register_opaque_type(PackedWeight, typ="reference")

@@ -268,12 +268,13 @@ class TorchBackend:
         return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
 
     def silu_mul_product(self, layer: Any, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu_mul(layer(x))`` of a gate-and-up layer in one C++ call where the row operators
-        run (``_row_ops``) and the layer's weights have one (``silu_mul_product`` of
-        ``engine/layers.py``: 4-bit CPU weights); the same bits. None elsewhere."""
-        if not self._row_ops(x):
+        """``silu_mul(layer(x))`` of a gate-and-up layer in one C++ call where the layer's
+        weights have one (``silu_mul_product`` of ``engine/layers.py``: 4-bit CPU weights where
+        the row operators run, ``_row_ops``; bfloat16 ones on AMX tiles), the row operators'
+        SiLU. None elsewhere."""
+        if x.device.type != "cpu" or not self.cpu_kernel:
             return None
-        act: torch.Tensor | None = layer.silu_mul_product(x)
+        act: torch.Tensor | None = layer.silu_mul_product(x, row_ops=self._row_ops(x))
         return act
 
     def _row_ops(self, x: torch.Tensor) -> bool:

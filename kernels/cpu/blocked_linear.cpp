@@ -1,6 +1,8 @@
 // splitfuse_cpu::blocked_linear: x [M, K] bfloat16 times a bfloat16 weight held in oneDNN's
 // blocked layout for AVX-512 BF16, out [M, N] bfloat16 (float32 sums, rounded once): the products
-// of decode steps (up to 64 rows; engine/packed_linear.py).
+// of decode steps (up to 64 rows; engine/packed_linear.py), and with AMX tiles those of every
+// step (more than 4 rows on the tiles: amx_blocked_rows of int4_amx.h, which read the same
+// buffer in place).
 //
 // The weight is [N / 64, K / 2, 64, 2]: blocks of 64 output columns, each a run of K / 2 pairs of
 // inputs for those 64 columns. It is the buffer that oneDNN packed at load time
@@ -20,12 +22,17 @@
 #include <immintrin.h>
 
 #include "blocked_linear.h"
+#include "int4_amx.h"
+#include "int4_linear.h"
 
+#include <algorithm>
 #include <cstdint>
 
 namespace {
 
 constexpr int64_t kBlock = 64;  // output columns per block: four vectors of 16 float32 sums
+using splitfuse_blocked::kTilePanelBytes;
+using splitfuse_blocked::kTileRows;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
@@ -138,6 +145,21 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
   const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* w_ptr = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  if (M >= kTileRows && K % 32 == 0 && splitfuse_int4::amx_ready()) {
+    const at::Tensor rows = splitfuse_int4::tile_rows(x);
+    const auto* x16 = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
+    // units of some kTilePanelBytes of the weight, taken as each thread gets to them
+    // (share_units: one of two cores that runs slower leaves its last units to the other)
+    const int64_t pairs = N / 32, per_unit = std::max<int64_t>(1, kTilePanelBytes / (K * 64));
+    splitfuse_int4::share_units((pairs + per_unit - 1) / per_unit, [&](const auto& next) {
+      alignas(64) float sums[2 * 4 * 256];
+      for (int64_t unit = next(); unit >= 0; unit = next())
+        splitfuse_int4::amx_blocked_rows(x16, M, K, N, w_ptr, bias_ptr, unit * per_unit,
+                                         std::min(pairs, (unit + 1) * per_unit), sums, out_ptr);
+      splitfuse_int4::amx_release();
+    });
+    return out;
+  }
   at::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       block_all_rows(x_ptr, M, K, w_ptr + b * kBlock * K,

@@ -8,6 +8,12 @@
 namespace splitfuse_blocked {
 
 constexpr int64_t kBlockCols = 64;  // output columns per block
+// rows from which a product runs on AMX tiles where the CPU has them (amx_blocked_rows of
+// int4_amx.h): fewer rows are bound by reading the weight, which VDPBF16PS keeps up with
+constexpr int64_t kTileRows = 5;
+// bytes of the weight that a unit of a tile product's work multiplies each 32 rows of x by
+// (amx_blocked_rows; 128 KB and 256 KB alike on an Intel Xeon with AMX, 64 KB and 1 MB slower)
+constexpr int64_t kTilePanelBytes = 256 << 10;
 
 // Whether the CPU runs the kernel (AVX-512 BF16).
 bool runs_here();

@@ -1492,6 +1492,14 @@ struct ActRows {
   static void tile_row(void* context, int64_t r, const float* gate, const float* up) {
     static_cast<const ActRows*>(context)->row(r, gate, up, kCols);
   }
+
+  // amx_blocked_gate_up_rows' each_row: a tile row's kCols columns from `at`
+  static void tile_row_at(void* context, int64_t r, int64_t at, const float* gate,
+                          const float* up) {
+    auto* rows = static_cast<ActRows*>(context);
+    rows->col = at;
+    rows->row(r, gate, up, kCols);
+  }
 };
 
 // SwiGLU's silu(gate) * up of x times a gate-and-up 4-bit weight [2I, K] (packed as
@@ -1587,6 +1595,78 @@ at::Tensor int4_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at
   return out;
 }
 
+// SwiGLU's silu(gate) * up of bfloat16 x times a bfloat16 gate-and-up weight [2I, K] in oneDNN's
+// blocked layout [2I / 64, K / 2, 64, 2] (blocked_linear's; the gate's I output columns first),
+// in bfloat16: what blocked_linear, then silu_mul_rows compute (float32 sums rounded once, then
+// round(round(silu(gate)) * up)), the same bits, in one parallel region. With AMX tiles (from
+// blocked_linear's tile rows on) the threads take a 16-column quarter of the gate and its up
+// quarter at a time, each row's SiLU written while the tiles multiply the next rows
+// (amx_blocked_gate_up_rows); elsewhere a 64-column block and its up block (block_product). The
+// [M, 2I] product and its reading back never reach memory.
+at::Tensor blocked_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate) {
+  constexpr const char* name = "blocked_silu_mul";
+  TORCH_CHECK(splitfuse_blocked::runs_here(), name, ": this CPU has no AVX-512 BF16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 &&
+                  x.device().is_cpu(),
+              name, ": x must be a contiguous bfloat16 [M, K] CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), I = intermediate;
+  constexpr int64_t kBlock = splitfuse_blocked::kBlockCols;
+  TORCH_CHECK(I > 0 && I % kBlock == 0, name, ": intermediate=", I, " must be a multiple of 64");
+  TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu() &&
+                  weight.size(0) * kBlock == 2 * I && weight.size(1) * 2 == K &&
+                  weight.size(2) == kBlock && weight.size(3) == 2,
+              name, ": weight must be a contiguous bfloat16 [", 2 * I / kBlock, ", ", K / 2,
+              ", 64, 2] CPU tensor");
+  at::Tensor out = at::empty({M, I}, x.options());
+  if (M == 0) return out;
+  const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* w_ptr = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  if (M >= splitfuse_blocked::kTileRows && K % 32 == 0 && splitfuse_int4::amx_ready()) {
+    const at::Tensor rows16 = splitfuse_int4::tile_rows(x);
+    const auto* x16 = reinterpret_cast<const uint16_t*>(rows16.data_ptr<at::BFloat16>());
+    // units of some kTilePanelBytes of the weight (gate and up), taken as each thread gets to
+    // them (share_units)
+    const int64_t quarters = I / kCols;
+    const int64_t per_unit =
+        std::max<int64_t>(1, splitfuse_blocked::kTilePanelBytes / (K * 2 * kCols * 2));
+    splitfuse_int4::share_units((quarters + per_unit - 1) / per_unit, [&](const auto& next) {
+      float scratch[3 * kCols];
+      ActRows rows{out.data_ptr(), I, 0, 0, true, scratch};
+      alignas(64) float sums[2 * 4 * 256];
+      for (int64_t unit = next(); unit >= 0; unit = next())
+        splitfuse_int4::amx_blocked_gate_up_rows(
+            x16, M, K, w_ptr, I, unit * per_unit, std::min(quarters, (unit + 1) * per_unit),
+            sums, ActRows::tile_row_at, &rows);
+      splitfuse_int4::amx_release();
+    });
+    return out;
+  }
+  const int64_t blocks = I / kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<uint16_t[]> products(new uint16_t[2 * M * kBlock]);
+    std::unique_ptr<float[]> scratch(new float[5 * kBlock]);
+    float* gate = scratch.get();
+    float* up = gate + kBlock;
+    ActRows rows{out.data_ptr(), I, 0, 0, true, up + kBlock};
+    for (int64_t b = begin; b < end; ++b) {
+      splitfuse_blocked::block_product(x_ptr, M, K, w_ptr + b * K * kBlock, products.get(),
+                                       kBlock);
+      splitfuse_blocked::block_product(x_ptr, M, K, w_ptr + (blocks + b) * K * kBlock,
+                                       products.get() + M * kBlock, kBlock);
+      rows.col = b * kBlock;
+      for (int64_t r = 0; r < M; ++r) {
+        for (int64_t c = 0; c < kBlock; ++c) {  // bfloat16 -> float32: exact
+          gate[c] = bfloat16_to_float(products[r * kBlock + c]);
+          up[c] = bfloat16_to_float(products[(M + r) * kBlock + c]);
+        }
+        rows.row(r, gate, up, kBlock);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
@@ -1602,6 +1682,7 @@ TORCH_LIBRARY_FRAGMENT(splitfuse_cpu, m) {
   m.def("silu_mul_rows(Tensor gate_up) -> Tensor");
   m.def("int4_silu_mul(Tensor x, Tensor packed, Tensor scales, Tensor mins, int intermediate, "
         "int group_size) -> Tensor");
+  m.def("blocked_silu_mul(Tensor x, Tensor weight, int intermediate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {
@@ -1609,4 +1690,5 @@ TORCH_LIBRARY_IMPL(splitfuse_cpu, CPU, m) {
   m.impl("rotary_rows", rotary_rows);
   m.impl("silu_mul_rows", silu_mul_rows);
   m.impl("int4_silu_mul", int4_silu_mul);
+  m.impl("blocked_silu_mul", blocked_silu_mul);
 }

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -179,20 +180,23 @@ inline void store_bf16_sums(const float* tile_out, int64_t rows, int64_t cols, i
 // p0 alone) on the tiles: tiles 0-3 the sums of (rows 0-15, p0), (0-15, p1), (16-31, p0),
 // (16-31, p1); 4-5 x's rows, 6-7 the panels. meanwhile() runs after each step of K (32 values),
 // while the tiles multiply.
+// A panel's rows are `panel_stride` bytes apart: 64 for the panels made here, 256 for a quarter
+// of a bfloat16 weight's block read in place (amx_blocked_rows).
 template <typename Meanwhile>
 inline void multiply_strip(const uint16_t* x, int64_t K, const uint16_t* p0, const uint16_t* p1,
-                           bool pair, bool two, const Meanwhile& meanwhile) {
-  const int64_t stride = K * sizeof(uint16_t);
+                           bool pair, bool two, const Meanwhile& meanwhile,
+                           int64_t panel_stride = 64) {
+  const int64_t stride = K * sizeof(uint16_t), step = panel_stride / 4;  // values a step of K
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t k = 0; k < K; k += 32) {
     _tile_loadd(4, x + k, stride);
-    _tile_loadd(6, p0 + k * 16, 64);
+    _tile_loadd(6, p0 + k * step, panel_stride);
     _tile_dpbf16ps(0, 4, 6);
     if (pair) {
-      _tile_loadd(7, p1 + k * 16, 64);
+      _tile_loadd(7, p1 + k * step, panel_stride);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (two) {
@@ -228,17 +232,13 @@ void multiply_panels(const uint16_t* x16, int64_t M, int64_t K, int64_t N, const
 
 }  // namespace
 
-void splitfuse_int4::amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64_t K,
-                                           Int4Block gate, Int4Block up, int64_t group_size,
-                                           uint16_t* panels, float* sums,
-                                           void (*each_row)(void*, int64_t, const float*,
-                                                            const float*),
-                                           void* context) {
-  configure_full_tiles();
-  uint16_t* p0 = panels;
-  uint16_t* p1 = panels + K * kCols;
-  int4_panel(gate.packed, gate.scales, gate.mins, K, group_size, p0);
-  int4_panel(up.packed, up.scales, up.mins, K, group_size, p1);
+namespace {
+
+// SwiGLU's gate panel p0 and up panel p1 (rows panel_stride bytes apart) times x16's rows, each
+// row's sums handed to each_row while the tiles multiply the next rows (amx_int4_gate_up_rows)
+void gate_up_rows(const uint16_t* x16, int64_t M, int64_t K, const uint16_t* p0,
+                  const uint16_t* p1, int64_t panel_stride, float* sums,
+                  void (*each_row)(void*, int64_t, const float*, const float*), void* context) {
   const int64_t steps = K / 32;
   // a strip's sums in sums[strip % 2]: 4 tiles of 16 x 16, (rows 0-15 gate, up), (16-31 gate,
   // up); the strip before hands its rows on, `per_step` of them at each step of K, as the tiles
@@ -254,7 +254,8 @@ void splitfuse_int4::amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64
   };
   for (int64_t r0 = 0; r0 < M; r0 += 32) {
     const bool two = r0 + 16 < M;
-    multiply_strip(x16 + r0 * K, K, p0, p1, true, two, [&] { hand_on(per_step); });
+    multiply_strip(x16 + r0 * K, K, p0, p1, true, two, [&] { hand_on(per_step); },
+                   panel_stride);
     hand_on(pending_end - pending);
     float* strip = sums + ((r0 >> 5) & 1) * 4 * 256;
     _tile_stored(0, strip, kCols * sizeof(float));
@@ -267,6 +268,22 @@ void splitfuse_int4::amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64
     pending_end = std::min(M, r0 + 32);
   }
   hand_on(pending_end - pending);
+}
+
+}  // namespace
+
+void splitfuse_int4::amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64_t K,
+                                           Int4Block gate, Int4Block up, int64_t group_size,
+                                           uint16_t* panels, float* sums,
+                                           void (*each_row)(void*, int64_t, const float*,
+                                                            const float*),
+                                           void* context) {
+  configure_full_tiles();
+  uint16_t* p0 = panels;
+  uint16_t* p1 = panels + K * kCols;
+  int4_panel(gate.packed, gate.scales, gate.mins, K, group_size, p0);
+  int4_panel(up.packed, up.scales, up.mins, K, group_size, p1);
+  gate_up_rows(x16, M, K, p0, p1, 64, sums, each_row, context);
 }
 
 namespace {
@@ -310,6 +327,113 @@ void splitfuse_int4::amx_int4_columns_bf16(const uint16_t* x16, int64_t M, int64
                                            uint16_t* panels, float* tile_out, uint16_t* out) {
   columns_on_tiles(x16, M, K, N, packed, scales, mins, group_size, block_begin, block_end, panels,
                    tile_out, out);
+}
+
+// bfloat16 weights in oneDNN's blocked layout [N / 64, K / 2, 64, 2] (blocked_linear.cpp): a
+// 64-column block's quarter j, columns 16j .. 16j + 15, is a panel as TDPBF16PS reads it with
+// rows 256 bytes apart (pair row p at block + p * 128 + j * 32 values), so the tiles read the
+// packed weight in place, without a copy.
+
+namespace {
+
+// Units [begin, end) of a product, each two panels of 16 columns (panels(u): a pair of
+// pointers into the blocked weight): each 32 rows of x (36 KB at K = 576, kept in the L1 cache)
+// multiply the range's units in turn (from the L2 cache: a range of some 256 KB), and each
+// turn's sums go to row(u, r, sums of p0, sums of p1) for its rows r while the tiles multiply
+// the next turn (as amx_int4_gate_up_rows hands its rows on). sums: 2 * 4 * 256 floats.
+template <typename Panels, typename Row>
+void blocked_turns(const uint16_t* x16, int64_t M, int64_t K, int64_t begin, int64_t end,
+                   float* sums, const Panels& panels, const Row& row) {
+  splitfuse_int4::configure_full_tiles();
+  // a turn's sums in sums[turn % 2] (4 tiles: rows 0-15 of p0, 0-15 of p1, 16-31 of p0, 16-31
+  // of p1), handed on a few rows at each step of K of the next turn
+  const int64_t steps = K / 32, per_step = (32 + steps - 1) / steps;
+  int64_t pending = 0, pending_end = 0, pending_unit = 0;  // the rows not yet handed on
+  const float* pending_sums = sums;
+  const auto hand_on = [&](int64_t count) {
+    for (; count > 0 && pending < pending_end; --count, ++pending) {
+      const int64_t r = pending & 31;
+      const float* tiles = pending_sums + (r >> 4) * 2 * 256 + (r & 15) * kCols;
+      row(pending_unit, pending, tiles, tiles + 256);
+    }
+  };
+  int64_t turn = 0;
+  for (int64_t r0 = 0; r0 < M; r0 += 32) {
+    const bool two = r0 + 16 < M;
+    for (int64_t u = begin; u < end; ++u, ++turn) {
+      const auto [p0, p1] = panels(u);
+      multiply_strip(x16 + r0 * K, K, p0, p1, true, two, [&] { hand_on(per_step); }, 256);
+      hand_on(pending_end - pending);
+      float* strip = sums + (turn & 1) * 4 * 256;
+      _tile_stored(0, strip, kCols * sizeof(float));
+      _tile_stored(1, strip + 256, kCols * sizeof(float));
+      if (two) {
+        _tile_stored(2, strip + 512, kCols * sizeof(float));
+        _tile_stored(3, strip + 768, kCols * sizeof(float));
+      }
+      pending = r0;
+      pending_end = std::min(M, r0 + 32);
+      pending_unit = u;
+      pending_sums = strip;
+    }
+  }
+  hand_on(pending_end - pending);
+}
+
+// quarter q of a blocked weight: block q / 4, its columns 16 (q % 4) .. on
+inline const uint16_t* quarter(const uint16_t* blocked, int64_t K, int64_t q) {
+  return blocked + (q / 4) * K * 64 + (q % 4) * 32;
+}
+
+}  // namespace
+
+void splitfuse_int4::amx_blocked_rows(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
+                                      const uint16_t* blocked, const uint16_t* bias,
+                                      int64_t pair_begin, int64_t pair_end, float* sums,
+                                      uint16_t* out) {
+  // the bias of 16 columns from c as float32 (bfloat16 -> float32: a shift of the bits)
+  const auto widen = [&](int64_t c) {
+    return bias == nullptr ? _mm512_setzero_ps()
+                           : _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(bias + c))),
+                                 16));
+  };
+  int64_t bias_pair = -1;
+  __m512 bias0 = _mm512_setzero_ps(), bias1 = bias0;
+  blocked_turns(
+      x16, M, K, pair_begin, pair_end, sums,
+      [&](int64_t pair) {
+        return std::pair{quarter(blocked, K, 2 * pair), quarter(blocked, K, 2 * pair + 1)};
+      },
+      [&](int64_t pair, int64_t r, const float* lo, const float* hi) {
+        if (pair != bias_pair) {
+          bias_pair = pair;
+          bias0 = widen(pair * 32);
+          bias1 = widen(pair * 32 + kCols);
+        }
+        uint16_t* at = out + r * N + pair * 32;
+        splitfuse_bf16::store_bf16(
+            at, splitfuse_bf16::round_bf16(_mm512_add_ps(_mm512_load_ps(lo), bias0)), 0xffff);
+        splitfuse_bf16::store_bf16(
+            at + kCols, splitfuse_bf16::round_bf16(_mm512_add_ps(_mm512_load_ps(hi), bias1)),
+            0xffff);
+      });
+}
+
+void splitfuse_int4::amx_blocked_gate_up_rows(const uint16_t* x16, int64_t M, int64_t K,
+                                              const uint16_t* blocked, int64_t intermediate,
+                                              int64_t begin, int64_t end, float* sums,
+                                              void (*each_row)(void*, int64_t, int64_t,
+                                                               const float*, const float*),
+                                              void* context) {
+  const int64_t up = intermediate / kCols;  // the up's first quarter
+  blocked_turns(
+      x16, M, K, begin, end, sums,
+      [&](int64_t q) { return std::pair{quarter(blocked, K, q), quarter(blocked, K, up + q)}; },
+      [&](int64_t q, int64_t r, const float* gate, const float* up_sums) {
+        each_row(context, r, q * kCols, gate, up_sums);
+      });
 }
 
 #pragma GCC pop_options

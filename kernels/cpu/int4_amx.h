@@ -1,7 +1,9 @@
 // The 4-bit product of int4_linear.cpp on AMX tiles (CPUs with AMX-BF16), for the rows of a
 // step's prompt tokens (int4_linear.cpp says which): a column block's weights are dequantized
 // to bfloat16 once per call, into a panel laid out as TDPBF16PS reads its second operand, and
-// every 16 rows of x (bfloat16) multiply that panel in float32 sums. No torch here: the operator calls it on raw pointers (int4_amx.cpp).
+// every 16 rows of x (bfloat16) multiply that panel in float32 sums. The same tiles multiply
+// bfloat16 weights in oneDNN's blocked layout in place (blocked_linear.cpp, blocked_silu_mul of
+// decode_stack.cpp). No torch here: the operators call it on raw pointers (int4_amx.cpp).
 #pragma once
 
 #include <cstdint>
@@ -53,6 +55,32 @@ void amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64_t K, Int4Block 
                            void (*each_row)(void* context, int64_t row, const float* gate,
                                             const float* up),
                            void* context);
+
+// Columns [32 pair_begin, 32 pair_end) (halves of the layout's blocks) of out [M, N] bfloat16
+// bits = x16 times a bfloat16 weight in oneDNN's blocked layout [N / 64, K / 2, 64, 2]
+// (blocked_linear.cpp) plus bias (bfloat16 [N] or nullptr): float32 sums over all of K on the
+// tiles, the bias added, rounded once to nearest even. Each 32 rows of x (36 KB at K = 576,
+// kept in the L1 cache) multiply the range's halves in turn (from the L2 cache: a range of
+// some 256 KB), each turn's rounding while the tiles multiply the next. x16: bfloat16 bits
+// [round_up(M, 16), K], K a multiple of 32 (the rows past M are read, never used); sums:
+// 2 * 4 * 256 floats of scratch, 64-byte aligned. A row's result does not depend on the other
+// rows, on M nor on the column range. Only on a thread that may use the tiles (amx_ready());
+// it configures them itself.
+void amx_blocked_rows(const uint16_t* x16, int64_t M, int64_t K, int64_t N,
+                      const uint16_t* blocked, const uint16_t* bias, int64_t pair_begin,
+                      int64_t pair_end, float* sums, uint16_t* out);
+
+// SwiGLU's two products of a bfloat16 gate-and-up weight [2I, K] in oneDNN's blocked layout
+// (as amx_blocked_rows reads it, in place; the gate's I columns first, I a multiple of 16):
+// for each quarter q in [begin, end) of the gate (columns 16q .. 16q + 15) and its up quarter
+// (columns I + 16q ..), row r's 16 gate and 16 up float32 sums over all of K go to
+// each_row(context, r, 16q, gate, up), for every r in [0, M), while the tiles multiply the next
+// rows or quarters. x16, sums and the conditions as for amx_blocked_rows.
+void amx_blocked_gate_up_rows(const uint16_t* x16, int64_t M, int64_t K, const uint16_t* blocked,
+                              int64_t intermediate, int64_t begin, int64_t end, float* sums,
+                              void (*each_row)(void* context, int64_t row, int64_t col,
+                                               const float* gate, const float* up),
+                              void* context);
 
 // Configures the calling thread's 8 tiles as 16 rows of 64 bytes each (palette 1).
 void configure_full_tiles();

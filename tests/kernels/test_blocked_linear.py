@@ -57,7 +57,9 @@ def test_matches_a_float64_reference(shape, num_rows, bias) -> None:
 
 
 def test_a_rows_result_does_not_depend_on_the_others() -> None:
-    """Each row's sums run in one order whatever the row count (tiles of 1 to 6 rows alike)."""
+    """Each row's sums run in one order whatever the row count (tiles of 1 to 6 rows alike; with
+    AMX, more than 4 rows on the tiles, whose TDPBF16PS adds a pair's products as VDPBF16PS
+    does: the same bits)."""
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(192, 576, generator=generator).bfloat16()
     blocked = _blocked(weight)
@@ -69,13 +71,14 @@ def test_a_rows_result_does_not_depend_on_the_others() -> None:
         assert torch.equal(alone, full[rows])
 
 
+@pytest.mark.parametrize("num_rows", [3, 37])  # with AMX: VDPBF16PS, then the tiles
 @pytest.mark.parametrize("out_features", [64, 576, 960])  # 1, 9 and 15 blocks
-def test_the_result_does_not_depend_on_the_threads(out_features) -> None:
+def test_the_result_does_not_depend_on_the_threads(out_features, num_rows) -> None:
     """Threads share the blocks; a column's sum is the same whichever thread computes it."""
     generator = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, 576, generator=generator).bfloat16()
     bias = torch.randn(out_features, generator=generator).bfloat16()
-    x = torch.randn(7, 576, generator=generator).bfloat16()
+    x = torch.randn(num_rows, 576, generator=generator).bfloat16()
     threads = torch.get_num_threads()
     results = []
     try:
@@ -95,6 +98,12 @@ def test_packed_weights_are_read_in_place() -> None:
         pytest.skip("oneDNN packs bfloat16 weights in another layout on this CPU")
     assert packed.blocked.data_ptr() == torch.ops.mkldnn.data_ptr(packed.packed)  # no copy
     assert torch.equal(packed.blocked, _blocked(weight))
+    if packed.tiles:  # AMX: the kernel for every row count (more than 4 on the tiles)
+        for num_rows in (1, 4, 5, 300):
+            x = torch.randn(num_rows, 576).bfloat16()
+            expected = torch.ops.splitfuse_cpu.blocked_linear(x, packed.blocked, None)
+            assert torch.equal(packed_linear(x, packed, 192, None), expected)
+        return
     for num_rows in (1, 4, packed.blocked_rows):  # few rows: the kernel; more: oneDNN
         x = torch.randn(num_rows, 576).bfloat16()
         expected = torch.ops.splitfuse_cpu.blocked_linear(x, packed.blocked, None)
@@ -168,3 +177,51 @@ def test_layers_use_it_and_stay_within_a_step_of_f_linear() -> None:
     if layer.packed_weight.blocked is None:
         pytest.skip("oneDNN packs bfloat16 weights in another layout on this CPU")
     _assert_one_bf16_step(layer(x), expected)
+
+
+@pytest.mark.parametrize("num_rows", [1, 4, 5, 37, 300])  # with AMX: VDPBF16PS, then the tiles
+@pytest.mark.parametrize("shape", [(64, 70), (128, 576), (1536, 576)])  # (intermediate, K)
+def test_silu_mul_gives_the_product_then_silu_mul_rows(shape, num_rows) -> None:
+    """``blocked_silu_mul``: SwiGLU's activation of the gate-and-up product in one call, the
+    same bits as ``blocked_linear`` then ``silu_mul_rows``."""
+    intermediate, in_features = shape
+    generator = torch.Generator().manual_seed(num_rows + intermediate)
+    weight = (torch.randn(2 * intermediate, in_features, generator=generator) * 0.1).bfloat16()
+    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
+    blocked = _blocked(weight)
+    product = torch.ops.splitfuse_cpu.blocked_linear(x, blocked, None)
+    expected = torch.ops.splitfuse_cpu.silu_mul_rows(product)
+    got = torch.ops.splitfuse_cpu.blocked_silu_mul(x, blocked, intermediate)
+    assert got.shape == (num_rows, intermediate)
+    assert torch.equal(got, expected)
+
+
+def test_gate_up_layers_use_the_fused_product_on_amx_tiles() -> None:
+    layer = ColumnParallelLinear(576, [128, 128], bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape) * 0.1)
+    layer.pack_weights()
+    x = torch.randn(40, 576).bfloat16()
+    act = layer.silu_mul_product(x, row_ops=False)
+    if not layer.blocked_tiles:  # no AMX, or another layout: the product and SiLU apart
+        assert act is None
+        return
+    assert act is not None
+    assert torch.equal(act, torch.ops.splitfuse_cpu.silu_mul_rows(layer(x)))
+    layer.set_deterministic()  # oneDNN alone there: no fused call
+    assert layer.silu_mul_product(x, row_ops=False) is None
+
+
+@pytest.mark.parametrize("case", ["float32 rows", "weight shape", "intermediate"])
+def test_silu_mul_refuses_bad_inputs(case) -> None:
+    weight = _blocked(torch.randn(128, 64).bfloat16())
+    x = torch.randn(3, 64).bfloat16()
+    intermediate = 64
+    if case == "float32 rows":
+        x = x.float()
+    elif case == "weight shape":
+        weight = _blocked(torch.randn(256, 64).bfloat16())
+    else:
+        intermediate = 32
+    with pytest.raises(RuntimeError, match="blocked_silu_mul"):
+        torch.ops.splitfuse_cpu.blocked_silu_mul(x, weight, intermediate)
