@@ -50,8 +50,8 @@ def can_pack(weight: torch.Tensor) -> bool:
 # ms; even from there on. With AMX tiles ``blocked_linear`` runs every row count: up to 4 rows
 # with VDPBF16PS as elsewhere (steps bound by reading the weights), more on the tiles, reading
 # the same buffer in place. The default model's 4 products of a layer (2 threads, Intel Xeon
-# with AMX, oneDNN -> tiles, best of 20, alternating): 16 rows 0.22 -> 0.17 ms, 64 rows 0.42-0.46
-# -> 0.32-0.36 ms, 256 rows 0.99-1.08 -> 0.88-0.90 ms, 512 rows 1.68-1.70 -> 1.73-1.74 ms.
+# with AMX, oneDNN -> tiles, best of 20, alternating): 16 rows 0.22 -> 0.16 ms, 64 rows 0.36-0.37
+# -> 0.27-0.28 ms, 256 rows 0.86-0.88 -> 0.72-0.73 ms, 512 rows 1.57 -> 1.49-1.50 ms.
 BLOCKED_ROWS = 64
 # Tokens up to which a decode step of bfloat16 weights runs the C++ decode stack on a CPU with
 # AMX (``engine/decode_stack.py``), whose products are VDPBF16PS's: more run on the tiles.

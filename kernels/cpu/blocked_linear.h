@@ -12,8 +12,9 @@ constexpr int64_t kBlockCols = 64;  // output columns per block
 // int4_amx.h): fewer rows are bound by reading the weight, which VDPBF16PS keeps up with
 constexpr int64_t kTileRows = 5;
 // bytes of the weight that a unit of a tile product's work multiplies each 32 rows of x by
-// (amx_blocked_rows; 128 KB and 256 KB alike on an Intel Xeon with AMX, 64 KB and 1 MB slower)
-constexpr int64_t kTilePanelBytes = 256 << 10;
+// (amx_blocked_rows). The default model's 4 products of a layer at 512 rows, 2 threads of an
+// Intel Xeon with AMX: 64 KB 1.61 ms, 128 KB 1.33-1.42 ms, 192 KB 1.42-1.46 ms, 512 KB 1.66+ ms.
+constexpr int64_t kTilePanelBytes = 128 << 10;
 
 // Whether the CPU runs the kernel (AVX-512 BF16).
 bool runs_here();

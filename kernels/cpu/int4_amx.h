@@ -61,7 +61,7 @@ void amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64_t K, Int4Block 
 // (blocked_linear.cpp) plus bias (bfloat16 [N] or nullptr): float32 sums over all of K on the
 // tiles, the bias added, rounded once to nearest even. Each 32 rows of x (36 KB at K = 576,
 // kept in the L1 cache) multiply the range's halves in turn (from the L2 cache: a range of
-// some 256 KB), each turn's rounding while the tiles multiply the next. x16: bfloat16 bits
+// some 128 KB), each turn's rounding while the tiles multiply the next. x16: bfloat16 bits
 // [round_up(M, 16), K], K a multiple of 32 (the rows past M are read, never used); sums:
 // 2 * 4 * 256 floats of scratch, 64-byte aligned. A row's result does not depend on the other
 // rows, on M nor on the column range. Only on a thread that may use the tiles (amx_ready());
