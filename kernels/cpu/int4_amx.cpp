@@ -244,42 +244,48 @@ void multiply_panels(const uint16_t* x16, int64_t M, int64_t K, int64_t N, const
 
 #undef SF_STORE_SUMS
 
-}  // namespace
-
-namespace {
-
-// SwiGLU's gate panel p0 and up panel p1 (rows panel_stride bytes apart) times x16's rows, each
-// row's sums handed to each_row while the tiles multiply the next rows (amx_int4_gate_up_rows)
-void gate_up_rows(const uint16_t* x16, int64_t M, int64_t K, const uint16_t* p0,
-                  const uint16_t* p1, int64_t panel_stride, float* sums,
-                  void (*each_row)(void*, int64_t, const float*, const float*), void* context) {
-  const int64_t steps = K / 32;
-  // a strip's sums in sums[strip % 2]: 4 tiles of 16 x 16, (rows 0-15 gate, up), (16-31 gate,
-  // up); the strip before hands its rows on, `per_step` of them at each step of K, as the tiles
-  // multiply
-  const int64_t per_step = (32 + steps - 1) / steps;
-  int64_t pending = 0, pending_end = 0;  // the rows of the strip before not yet handed on
+// Units [begin, end) of a product, each two panels of 16 columns (panels(u): a pair of
+// pointers, rows panel_stride bytes apart, SF_LOAD_PANEL): each 32 rows of x (36 KB at K = 576,
+// kept in the L1 cache) multiply the range's units in turn (a blocked weight's from the L2
+// cache: a range of some 128 KB), and each turn's sums go to row(u, r, sums of p0, sums of p1)
+// for its rows r while the tiles multiply the next turn: the vector work of a row's rounding or
+// activation then runs beside the tiles' products instead of after them. sums: 2 * 4 * 256
+// floats, 64-byte aligned.
+template <typename Panels, typename Row>
+void turns_on_tiles(const uint16_t* x16, int64_t M, int64_t K, int64_t begin, int64_t end,
+                    int64_t panel_stride, float* sums, const Panels& panels, const Row& row) {
+  // a turn's sums in sums[turn % 2] (4 tiles: rows 0-15 of p0, 0-15 of p1, 16-31 of p0, 16-31
+  // of p1), handed on a few rows at each step of K of the next turn
+  const int64_t steps = K / 32, per_step = (32 + steps - 1) / steps;
+  int64_t pending = 0, pending_end = 0, pending_unit = 0;  // the rows not yet handed on
+  const float* pending_sums = sums;
   const auto hand_on = [&](int64_t count) {
     for (; count > 0 && pending < pending_end; --count, ++pending) {
       const int64_t r = pending & 31;
-      const float* tiles = sums + ((pending >> 5) & 1) * 4 * 256 + (r >> 4) * 2 * 256;
-      each_row(context, pending, tiles + (r & 15) * kCols, tiles + 256 + (r & 15) * kCols);
+      const float* tiles = pending_sums + (r >> 4) * 2 * 256 + (r & 15) * kCols;
+      row(pending_unit, pending, tiles, tiles + 256);
     }
   };
+  int64_t turn = 0;
   for (int64_t r0 = 0; r0 < M; r0 += 32) {
     const bool two = r0 + 16 < M;
-    multiply_strip(x16 + r0 * K, K, p0, p1, true, two, [&] { hand_on(per_step); },
-                   panel_stride);
-    hand_on(pending_end - pending);
-    float* strip = sums + ((r0 >> 5) & 1) * 4 * 256;
-    _tile_stored(0, strip, kCols * sizeof(float));
-    _tile_stored(1, strip + 256, kCols * sizeof(float));
-    if (two) {
-      _tile_stored(2, strip + 512, kCols * sizeof(float));
-      _tile_stored(3, strip + 768, kCols * sizeof(float));
+    for (int64_t u = begin; u < end; ++u, ++turn) {
+      const auto [p0, p1] = panels(u);
+      multiply_strip(x16 + r0 * K, K, p0, p1, true, two, [&] { hand_on(per_step); },
+                     panel_stride);
+      hand_on(pending_end - pending);
+      float* strip = sums + (turn & 1) * 4 * 256;
+      _tile_stored(0, strip, kCols * sizeof(float));
+      _tile_stored(1, strip + 256, kCols * sizeof(float));
+      if (two) {
+        _tile_stored(2, strip + 512, kCols * sizeof(float));
+        _tile_stored(3, strip + 768, kCols * sizeof(float));
+      }
+      pending = r0;
+      pending_end = std::min(M, r0 + 32);
+      pending_unit = u;
+      pending_sums = strip;
     }
-    pending = r0;
-    pending_end = std::min(M, r0 + 32);
   }
   hand_on(pending_end - pending);
 }
@@ -297,7 +303,11 @@ void splitfuse_int4::amx_int4_gate_up_rows(const uint16_t* x16, int64_t M, int64
   uint16_t* p1 = panels + K * kCols;
   int4_panel(gate.packed, gate.scales, gate.mins, K, group_size, p0);
   int4_panel(up.packed, up.scales, up.mins, K, group_size, p1);
-  gate_up_rows(x16, M, K, p0, p1, 64, sums, each_row, context);
+  turns_on_tiles(
+      x16, M, K, 0, 1, 64, sums, [&](int64_t) { return std::pair{p0, p1}; },
+      [&](int64_t, int64_t r, const float* gate_sums, const float* up_sums) {
+        each_row(context, r, gate_sums, up_sums);
+      });
 }
 
 namespace {
@@ -350,50 +360,6 @@ void splitfuse_int4::amx_int4_columns_bf16(const uint16_t* x16, int64_t M, int64
 
 namespace {
 
-// Units [begin, end) of a product, each two panels of 16 columns (panels(u): a pair of
-// pointers into the blocked weight): each 32 rows of x (36 KB at K = 576, kept in the L1 cache)
-// multiply the range's units in turn (from the L2 cache: a range of some 128 KB), and each
-// turn's sums go to row(u, r, sums of p0, sums of p1) for its rows r while the tiles multiply
-// the next turn (as amx_int4_gate_up_rows hands its rows on). sums: 2 * 4 * 256 floats.
-template <typename Panels, typename Row>
-void blocked_turns(const uint16_t* x16, int64_t M, int64_t K, int64_t begin, int64_t end,
-                   float* sums, const Panels& panels, const Row& row) {
-  splitfuse_int4::configure_full_tiles();
-  // a turn's sums in sums[turn % 2] (4 tiles: rows 0-15 of p0, 0-15 of p1, 16-31 of p0, 16-31
-  // of p1), handed on a few rows at each step of K of the next turn
-  const int64_t steps = K / 32, per_step = (32 + steps - 1) / steps;
-  int64_t pending = 0, pending_end = 0, pending_unit = 0;  // the rows not yet handed on
-  const float* pending_sums = sums;
-  const auto hand_on = [&](int64_t count) {
-    for (; count > 0 && pending < pending_end; --count, ++pending) {
-      const int64_t r = pending & 31;
-      const float* tiles = pending_sums + (r >> 4) * 2 * 256 + (r & 15) * kCols;
-      row(pending_unit, pending, tiles, tiles + 256);
-    }
-  };
-  int64_t turn = 0;
-  for (int64_t r0 = 0; r0 < M; r0 += 32) {
-    const bool two = r0 + 16 < M;
-    for (int64_t u = begin; u < end; ++u, ++turn) {
-      const auto [p0, p1] = panels(u);
-      multiply_strip(x16 + r0 * K, K, p0, p1, true, two, [&] { hand_on(per_step); }, 256);
-      hand_on(pending_end - pending);
-      float* strip = sums + (turn & 1) * 4 * 256;
-      _tile_stored(0, strip, kCols * sizeof(float));
-      _tile_stored(1, strip + 256, kCols * sizeof(float));
-      if (two) {
-        _tile_stored(2, strip + 512, kCols * sizeof(float));
-        _tile_stored(3, strip + 768, kCols * sizeof(float));
-      }
-      pending = r0;
-      pending_end = std::min(M, r0 + 32);
-      pending_unit = u;
-      pending_sums = strip;
-    }
-  }
-  hand_on(pending_end - pending);
-}
-
 // quarter q of a blocked weight: block q / 4, its columns 16 (q % 4) .. on
 inline const uint16_t* quarter(const uint16_t* blocked, int64_t K, int64_t q) {
   return blocked + (q / 4) * K * 64 + (q % 4) * 32;
@@ -415,8 +381,9 @@ void splitfuse_int4::amx_blocked_rows(const uint16_t* x16, int64_t M, int64_t K,
   };
   int64_t bias_pair = -1;
   __m512 bias0 = _mm512_setzero_ps(), bias1 = bias0;
-  blocked_turns(
-      x16, M, K, pair_begin, pair_end, sums,
+  configure_full_tiles();
+  turns_on_tiles(
+      x16, M, K, pair_begin, pair_end, 256, sums,
       [&](int64_t pair) {
         return std::pair{quarter(blocked, K, 2 * pair), quarter(blocked, K, 2 * pair + 1)};
       },
@@ -442,8 +409,9 @@ void splitfuse_int4::amx_blocked_gate_up_rows(const uint16_t* x16, int64_t M, in
                                                                const float*, const float*),
                                               void* context) {
   const int64_t up = intermediate / kCols;  // the up's first quarter
-  blocked_turns(
-      x16, M, K, begin, end, sums,
+  configure_full_tiles();
+  turns_on_tiles(
+      x16, M, K, begin, end, 256, sums,
       [&](int64_t q) { return std::pair{quarter(blocked, K, q), quarter(blocked, K, up + q)}; },
       [&](int64_t q, int64_t r, const float* gate, const float* up_sums) {
         each_row(context, r, q * kCols, gate, up_sums);
