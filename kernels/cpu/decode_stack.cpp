@@ -1599,10 +1599,12 @@ at::Tensor int4_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at
 // blocked layout [2I / 64, K / 2, 64, 2] (blocked_linear's; the gate's I output columns first),
 // in bfloat16: what blocked_linear, then silu_mul_rows compute (float32 sums rounded once, then
 // round(round(silu(gate)) * up)), the same bits, in one parallel region. With AMX tiles (from
-// blocked_linear's tile rows on) the threads take a 16-column quarter of the gate and its up
-// quarter at a time, each row's SiLU written while the tiles multiply the next rows
-// (amx_blocked_gate_up_rows); elsewhere a 64-column block and its up block (block_product). The
-// [M, 2I] product and its reading back never reach memory.
+// blocked_linear's tile rows on) the threads take a few 16-column quarters of the gate and
+// their up quarters at a time (some kTilePanelBytes of the weight), each row's SiLU written
+// while the tiles multiply the next rows or quarters (amx_blocked_gate_up_rows; 512 rows x 576
+// -> 2 x 1536 on 2 cores of an Intel Xeon: 1.02-1.03 ms apart -> 0.94 ms); elsewhere a
+// 64-column block and its up block at a time (block_product). The [M, 2I] product and its
+// reading back never reach memory.
 at::Tensor blocked_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate) {
   constexpr const char* name = "blocked_silu_mul";
   TORCH_CHECK(splitfuse_blocked::runs_here(), name, ": this CPU has no AVX-512 BF16");
