@@ -72,9 +72,11 @@ class PackedWeight(OpaqueBase):
         weight = weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         self.blocked = _blocked_view(self.packed, weight)
+        from kernels.cpu_ops import has_int4_tiles
+
         # AMX: blocked_linear multiplies every row count, more than 4 rows on the tiles (where
         # they run: the OS lends them and SPLITFUSE_CPU_ISA leaves them in)
-        self.tiles = self.blocked is not None and _runs_tiles()
+        self.tiles = self.blocked is not None and has_int4_tiles()
         self.blocked_rows = sys.maxsize if self.tiles else BLOCKED_ROWS
 
     def one_kernel(self) -> None:
@@ -95,12 +97,6 @@ register_opaque_type(PackedWeight, typ="reference")
 
 def _has_amx() -> bool:
     return "amx_bf16" in cpu_flags()
-
-
-def _runs_tiles() -> bool:
-    from kernels.cpu_ops import has_int4_tiles
-
-    return has_int4_tiles()
 
 
 def _blocked_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

@@ -1645,25 +1645,19 @@ at::Tensor blocked_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64
     return out;
   }
   const int64_t blocks = I / kBlock;
+  auto* o_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    // a block's gate products [M, 64] then its up products, as blocked_linear rounds them
     std::unique_ptr<uint16_t[]> products(new uint16_t[2 * M * kBlock]);
-    std::unique_ptr<float[]> scratch(new float[5 * kBlock]);
-    float* gate = scratch.get();
-    float* up = gate + kBlock;
-    ActRows rows{out.data_ptr(), I, 0, 0, true, up + kBlock};
+    const uint16_t* gate = products.get();
+    const uint16_t* up = gate + M * kBlock;
     for (int64_t b = begin; b < end; ++b) {
       splitfuse_blocked::block_product(x_ptr, M, K, w_ptr + b * K * kBlock, products.get(),
                                        kBlock);
       splitfuse_blocked::block_product(x_ptr, M, K, w_ptr + (blocks + b) * K * kBlock,
                                        products.get() + M * kBlock, kBlock);
-      rows.col = b * kBlock;
-      for (int64_t r = 0; r < M; ++r) {
-        for (int64_t c = 0; c < kBlock; ++c) {  // bfloat16 -> float32: exact
-          gate[c] = bfloat16_to_float(products[r * kBlock + c]);
-          up[c] = bfloat16_to_float(products[(M + r) * kBlock + c]);
-        }
-        rows.row(r, gate, up, kBlock);
-      }
+      for (int64_t r = 0; r < M; ++r)  // silu_mul_rows' arithmetic
+        silu_mul_bf16(gate + r * kBlock, up + r * kBlock, o_ptr + r * I + b * kBlock, kBlock);
     }
   });
   return out;
