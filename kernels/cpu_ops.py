@@ -16,7 +16,7 @@ install`` builds them, later imports load the cached library):
   has them (``engine/packed_linear.py``; elsewhere, or without a compiler, oneDNN runs every
   product: ``has_blocked_linear``), and ``blocked_silu_mul(x, weight, intermediate)``, SwiGLU's
   ``silu_mul_rows(blocked_linear(x, weight))`` of a gate-and-up weight in one parallel region,
-  the same bits (on AMX tiles, a prompt chunk of 512 rows: 1.03-1.11 -> 0.97-0.99 ms);
+  the same bits (its speed: kernels/cpu/decode_stack.cpp);
 - ``splitfuse_cpu.GraphCall``, a class that calls a graph compiled under inductor's C++ wrapper
   through its entry point, holding the arguments that never change (``engine/step_graphs.py``);
 - ``splitfuse_cpu::greedy_argmax``, torch's argmax of float32 rows in one vectorized call

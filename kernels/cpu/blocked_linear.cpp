@@ -145,12 +145,12 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
   const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* w_ptr = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  if (M >= kTileRows && K % 32 == 0 && splitfuse_int4::amx_ready()) {
+  if (splitfuse_blocked::on_tiles(M, K)) {
     const at::Tensor rows = splitfuse_int4::tile_rows(x);
     const auto* x16 = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
     // units of some kTilePanelBytes of the weight, taken as each thread gets to them
     // (share_units: one of two cores that runs slower leaves its last units to the other)
-    const int64_t pairs = N / 32, per_unit = std::max<int64_t>(1, kTilePanelBytes / (K * 64));
+    const int64_t pairs = N / 32, per_unit = splitfuse_blocked::tile_unit_pairs(K);
     splitfuse_int4::share_units((pairs + per_unit - 1) / per_unit, [&](const auto& next) {
       alignas(64) float sums[2 * 4 * 256];
       for (int64_t unit = next(); unit >= 0; unit = next())
@@ -172,6 +172,14 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
 }  // namespace
 
 bool splitfuse_blocked::runs_here() { return has_avx512_bf16; }
+
+bool splitfuse_blocked::on_tiles(int64_t M, int64_t K) {
+  return M >= kTileRows && K % 32 == 0 && splitfuse_int4::amx_ready();
+}
+
+int64_t splitfuse_blocked::tile_unit_pairs(int64_t K) {
+  return std::max<int64_t>(1, kTilePanelBytes / (K * 64));
+}
 
 void splitfuse_blocked::block_product(const uint16_t* x, int64_t M, int64_t K,
                                       const uint16_t* block, uint16_t* out, int64_t ldo) {

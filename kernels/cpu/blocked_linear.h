@@ -19,6 +19,12 @@ constexpr int64_t kTilePanelBytes = 128 << 10;
 // Whether the CPU runs the kernel (AVX-512 BF16).
 bool runs_here();
 
+// Whether a product of M rows over K inputs runs on AMX tiles here (kTileRows rows or more, K a
+// multiple of 32, tiles lent), and how many 32-column pairs of quarters of the weight (K * 64
+// bytes each) make a unit of its work (some kTilePanelBytes)
+bool on_tiles(int64_t M, int64_t K);
+int64_t tile_unit_pairs(int64_t K);
+
 // out[m, 0:64] (rows ldo apart, bfloat16 bits) = x [M, K] (bfloat16 bits, rows contiguous) times
 // one block [K / 2, 64, 2] of the weight: float32 sums, rounded once, as blocked_linear gives
 // them whatever the other blocks and rows of its call. Only where runs_here().

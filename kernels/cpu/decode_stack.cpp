@@ -1624,14 +1624,12 @@ at::Tensor blocked_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64
   if (M == 0) return out;
   const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* w_ptr = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  if (M >= splitfuse_blocked::kTileRows && K % 32 == 0 && splitfuse_int4::amx_ready()) {
+  if (splitfuse_blocked::on_tiles(M, K)) {
     const at::Tensor rows16 = splitfuse_int4::tile_rows(x);
     const auto* x16 = reinterpret_cast<const uint16_t*>(rows16.data_ptr<at::BFloat16>());
-    // units of some kTilePanelBytes of the weight (gate and up), taken as each thread gets to
-    // them (share_units)
-    const int64_t quarters = I / kCols;
-    const int64_t per_unit =
-        std::max<int64_t>(1, splitfuse_blocked::kTilePanelBytes / (K * 2 * kCols * 2));
+    // units of some kTilePanelBytes of the weight (a gate quarter and its up quarter: as many
+    // bytes as a pair), taken as each thread gets to them (share_units)
+    const int64_t quarters = I / kCols, per_unit = splitfuse_blocked::tile_unit_pairs(K);
     splitfuse_int4::share_units((quarters + per_unit - 1) / per_unit, [&](const auto& next) {
       float scratch[3 * kCols];
       ActRows rows{out.data_ptr(), I, 0, 0, true, scratch};
