@@ -13,7 +13,8 @@
 //   4 bits: 8 rows, one int16 sum each (8 pairs of products a run at most, as in the body)
 //   8 bits: 4 rows, two int16 sums each, the low and the high nibbles apart (8 pairs each)
 // The arithmetic is the body's, lane for lane: the same int32 sums, and after them per run
-//   acc += fma(float(sum), scale_w * d_x, min_w * s_x)       (8 bits: min_w = -128 scale_w)
+//   acc = fma(float(sum), scale_w * d_x, acc);  acc = fma(min_w, s_x, acc)   (8 bits: min_w =
+//   -128 scale_w)
 // so a row's result has the same bits whatever tile multiplies it, and on every instruction set
 // with FMA (tests/kernels/test_quant_linear.py, integer_dot_digest).
 // One thread, held to AVX2, 32 rows (the default model's four products of a layer; its 8-bit
@@ -92,8 +93,8 @@ static void rows_chunk(const int8_t* xq, const float* xd, const float* xs, int64
         if constexpr (BITS == 8)
           total = _mm256_add_epi32(total, _mm256_madd_epi16(sum[r][1], sixteens));
         const __m256 scaled = _mm256_mul_ps(scale, _mm256_set1_ps(xd[r * runs + run]));
-        const __m256 offset = _mm256_mul_ps(min, _mm256_set1_ps(xs[r * runs + run]));
-        acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scaled, offset));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scaled, acc[r]);
+        acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(xs[r * runs + run]), acc[r]);
       }
       if (++run_in_group == runs_per_group) {
         run_in_group = 0;
