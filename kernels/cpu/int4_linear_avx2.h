@@ -13,8 +13,8 @@
 //   4 bits: 8 rows, one int16 sum each (8 pairs of products a run at most, as in the body)
 //   8 bits: 4 rows, two int16 sums each, the low and the high nibbles apart (8 pairs each)
 // The arithmetic is the body's, lane for lane: the same int32 sums, and after them per run
-//   acc = fma(float(sum), scale_w * d_x, acc);  acc = fma(min_w, s_x, acc)   (8 bits: min_w =
-//   -128 scale_w)
+//   acc = fma(float(sum), scale_w * d_x, acc);  acc = fma(min_w, s_x, acc)
+// (8 bits: min_w = -128 scale_w)
 // so a row's result has the same bits whatever tile multiplies it, and on every instruction set
 // with FMA (tests/kernels/test_quant_linear.py, integer_dot_digest).
 // One thread, held to AVX2, 32 rows (the default model's four products of a layer; its 8-bit

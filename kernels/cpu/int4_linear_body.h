@@ -159,9 +159,10 @@ static inline vint run_sum(vrun acc) { return pair_sums(acc); }
 // k4 * 4 + 0..3, one byte each. Per run of 32 x values, the int32 sums turn into floats once:
 //   out += sum_q * (scale_w * d_x);  out += min_w * s_x     (8 bits: min_w = -128 scale_w)
 // two fused multiply-adds into the accumulator: four vector instructions per row and column
-// vector a run, where adding the two terms first took five (with the tiles of 6 rows below,
-// the default model's 4-bit layer products at 32 rows, medians of 6 alternating processes:
-// 11.2 -> 10.6 ms with the weights in the caches, 12.6 -> 11.6 ms cycling through 30 layers).
+// vector a run, where adding the two terms first took five (with AVX-512's tiles of 6 rows,
+// int4_linear_avx512.h, the default model's 4-bit layer products at 32 rows, medians of 6
+// alternating processes: 11.2 -> 10.6 ms with the weights in the caches, 12.6 -> 11.6 ms
+// cycling through 30 layers).
 // Each column's arithmetic is the same whatever ROWS and CB are: a row's result does not depend
 // on the other rows of the call.
 template <int BITS, int ROWS, int CB>
