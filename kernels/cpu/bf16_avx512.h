@@ -11,17 +11,19 @@ namespace splitfuse_bf16 {
 
 // Each lane rounded to bfloat16 (to nearest even, as torch rounds a float) and widened back, in
 // integer operations (VCVTNEPS2BF16 would flush subnormals); a NaN stays NaN, made quiet so
-// that its high half is one too.
+// that its high half is one too. The NaN lanes come from one unordered compare and take the
+// quiet bit by one masked OR (7 vector instructions in all where an integer test of the bits
+// took 9, the same bits for every input: rms_norm_rows of 512 x 576 bfloat16 rows with a
+// residual, 2 cores of an Intel Xeon with AMX, 75.6-77.0 -> 70.2-71.9 us in alternating runs).
 inline __m512 round_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded =
       _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb),
                        _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_castsi512_ps(
-      _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000))));
+      _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000)));
 }
 
 // The lanes of `mask` from bfloat16 bits at p, widened (the others zero).
