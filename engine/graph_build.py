@@ -185,7 +185,12 @@ def main(argv: list[str]) -> int:
     from engine.step_graphs import COMPILED, StepGraphs
 
     runner = ModelRunner(**kwargs)
-    graphs = StepGraphs(runner.model, compile=True, operator_step=runner.backend.operator_step)
+    graphs = StepGraphs(
+        runner.model,
+        compile=True,
+        operator_step=runner.backend.operator_step,
+        one_token_steps=runner.one_token_steps,
+    )
     graphs.start(runner._dummy_step, background=False)
     if graphs.mode != COMPILED:
         print("the step graphs did not compile (see the log above)", file=sys.stderr)

@@ -190,6 +190,11 @@ class ModelRunner:
             if self.backend.name == "torch"
             else None
         )
+        # whether a step of one token can reach the graphs: not where the decode stack takes
+        # every one (without AMX prompt tiles no step's prompt tokens bypass it), so that their
+        # graph is not compiled (the default model in int4 on 2 cores of an AVX2 CPU, cold
+        # caches: ~110 s of a ~250 s compile)
+        self.one_token_steps = self.decode_stack is None or self.prompt_tiles
         # the argmax of the last ``run``'s logits rows where the decode stack gave it, else None
         self.greedy_ids: torch.Tensor | None = None
         self.pad_single_token = False
@@ -231,6 +236,7 @@ class ModelRunner:
                 single_token_graph=not deterministic,
                 operator_step=self.backend.operator_step,
                 builder=builder,
+                one_token_steps=self.one_token_steps,
             )
         self.graphs.start(self._dummy_step, background=not deterministic)
         self.sampler = Sampler(model_config.vocab_size, device, seed=seed)

@@ -24,7 +24,10 @@ gathers every weight each step, ~0.5 ms of a one-stream step), the compiler's pa
 a step whose inputs it does not fit; under the C++ wrapper, through its C++ entry point, which
 holds the weights (``splitfuse_cpu.GraphCall``, ``kernels/cpu/graph_call.cpp``): a step hands
 over its ~10 own arguments instead of ~440 (int4 weights) made into handles by Python (~0.15 ms
-of a one-stream int4 step of ~6.3 ms, alternated step by step in one process).
+of a one-stream int4 step of ~6.3 ms, alternated step by step in one process). Where the
+runner's decode stack takes every step of one token (``one_token_steps`` False: 4-bit or blocked
+bfloat16 weights, no AMX prompt tiles), this graph is not made at all: the default model in int4,
+2 cores of an AVX2 CPU, cold caches, the two graphs took 139 and 110 s.
 
 The graph of two tokens and up takes the plan as tensors too: its layers call
 ``splitfuse_cpu::store_and_attend_step``, which attends decode tokens and prompt chunks alike
@@ -460,10 +463,15 @@ class StepGraphs:
         single_token_graph: bool = True,
         operator_step: Callable[[Any], Any] | None = None,
         builder: GraphBuild | None = None,
+        one_token_steps: bool = True,
     ) -> None:
         """``single_token_graph``: also compile the graph of exactly one token (otherwise a
         one-token step must reach the graph padded to two: deterministic mode, whose rows must
-        always run the same loops). ``operator_step(plan)``: the backend's plan of a step as
+        always run the same loops). ``one_token_steps``: False where no step of one token
+        reaches these graphs (the runner's decode stack takes every one), so that graph is not
+        compiled either (one that still comes runs as a step no graph was made for: through
+        the graph of two tokens and up where that fits it, else eagerly).
+        ``operator_step(plan)``: the backend's plan of a step as
         tensors alone (None where it has none); given, both graphs take that form (not in
         deterministic mode) and run under inductor's C++ wrapper (no Python between their
         kernels) where their products allow it (``python_wrapper_needed``,
@@ -476,7 +484,10 @@ class StepGraphs:
         self.model = model
         self.mode = EAGER
         self.compile_seconds: float | None = None
-        self.warm_up_tokens = WARM_UP_TOKENS if single_token_graph else WARM_UP_TOKENS[:1]
+        self.one_token_steps = one_token_steps
+        self.warm_up_tokens = (
+            WARM_UP_TOKENS if single_token_graph and one_token_steps else WARM_UP_TOKENS[:1]
+        )
         self.operator_step = operator_step
         self._stack: Callable[..., torch.Tensor] | None = None
         # set where the graph of two tokens and up takes the plan as tensors too
@@ -531,7 +542,7 @@ class StepGraphs:
             self._stack = self._whole_graph(self._stack_graphs)
         else:
             self._plan_object_stack()
-        if self._single_token_graph and operator_step is not None:
+        if self._single_token_graph and self.one_token_steps and operator_step is not None:
             why = python_wrapper_needed(model.model)
             if why:
                 logger.info("compile: the graph of one token keeps a Python wrapper (%s)", why)
@@ -752,9 +763,14 @@ class StepGraphs:
                     f"the graph of {kind} does not give the output it gave where it was built"
                 )
             loaded[kind] = direct
-        if set(loaded) != {"single", "stack"}:
+        if set(loaded) != set(self._kinds()):
             raise RuntimeError(f"the build gave the graphs {sorted(loaded)}")
-        self.direct, self.stack_direct = loaded["single"], loaded["stack"]
+        self.direct, self.stack_direct = loaded.get("single"), loaded["stack"]
+
+    def _kinds(self) -> tuple[str, ...]:
+        """The graphs a build gives: "single" (one token) where steps of one token reach them,
+        and "stack" (two tokens and up)."""
+        return ("single", "stack") if self.one_token_steps else ("stack",)
 
     def _example(self, dummy_step: Callable[[int, bool], tuple], kind: str) -> dict[str, Any]:
         """The forward's arguments (by name) of the dummy step a graph of ``kind`` ("single":
@@ -770,7 +786,9 @@ class StepGraphs:
         step (``_load_built`` reads it in another process). Raises where a graph does not run
         under the C++ wrapper."""
         graphs = []
-        for kind, direct in (("single", self.direct), ("stack", self.stack_direct)):
+        built = {"single": self.direct, "stack": self.stack_direct}
+        for kind in self._kinds():
+            direct = built[kind]
             if direct is None or direct.library is None:
                 raise RuntimeError(f"the graph of {kind} has no C++ entry point")
             with torch.inference_mode():

@@ -107,7 +107,10 @@ def _loaded_graphs(engine: LLMEngine, manifest: dict) -> step_graphs.StepGraphs:
     """A ``StepGraphs`` of ``engine``'s model that loads ``manifest`` (raises where it fails)."""
     runner = engine.runner
     graphs = step_graphs.StepGraphs(
-        runner.model, compile=False, operator_step=runner.backend.operator_step
+        runner.model,
+        compile=False,
+        operator_step=runner.backend.operator_step,
+        one_token_steps=runner.one_token_steps,
     )
     graphs._load_built(manifest, runner._dummy_step)
     return graphs
@@ -141,7 +144,7 @@ def test_a_third_process_loads_the_graphs_and_refuses_ones_that_do_not_fit(
 
     def altered(change) -> dict:
         copy = json.loads(json.dumps(manifest))
-        change(copy["graphs"][1])  # the graph of two tokens and up
+        change(next(graph for graph in copy["graphs"] if graph["kind"] == "stack"))
         return copy
 
     def other_layout(graph: dict) -> None:
@@ -206,5 +209,43 @@ def test_a_failed_build_compiles_in_this_process(tiny_llama_dir, monkeypatch, ca
     graphs = engine.runner.graphs
     assert "could not be built in a process of their own" in caplog.text
     assert graphs.mode == step_graphs.COMPILED and not graphs.loaded
-    assert graphs.direct is not None and graphs.stack_direct is not None
+    assert graphs.stack_direct is not None
     assert all(len(tokens) == MAX_TOKENS for tokens in _generate(engine))
+
+
+def test_no_graph_of_one_token_where_the_decode_stack_takes_every_one(
+    served, tiny_llama_dir, monkeypatch
+) -> None:
+    """With the decode stack (4-bit weights here) no step of one token reaches the graphs (a
+    prompt of one token, a prompt's last chunk of one, decoding alone), so neither the build
+    nor the loading process makes that graph; without the stack (float32 weights) such steps
+    reach them."""
+    assert [graph["kind"] for graph in served["manifest"]["graphs"]] == ["stack"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_graphs.StepGraphs, "build_elsewhere", False)
+        engine = _engine(tiny_llama_dir, compile=True)
+    runner = engine.runner
+    assert runner.decode_stack is not None and not runner.one_token_steps
+    assert runner.graphs._single is None and runner.graphs.direct is None
+    assert runner.graphs.stack_direct is not None
+    sizes: list[int] = []
+    call = step_graphs.StepGraphs.__call__
+
+    def counted(self, input_ids, *args):
+        sizes.append(input_ids.shape[0])
+        return call(self, input_ids, *args)
+
+    monkeypatch.setattr(step_graphs.StepGraphs, "__call__", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [[7], list(range(3, 3 + engine.config.max_batch_tokens + 1)), [5, 6]]
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"one-{index}", prompt, params)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                assert delta.error is None, delta.error
+    assert sizes and 1 not in sizes
+    full = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128,
+                     block_size=8, quantization="none")
+    )  # fmt: skip
+    assert full.runner.decode_stack is None and full.runner.one_token_steps

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 import engine.step_graphs as step_graphs
 from engine import LLM
 from engine.config import EngineConfig
+from engine.decode_stack import DecodeStack
 from engine.device import cpu_runs_bf16
 from engine.llm_engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
@@ -39,6 +40,10 @@ def graphs_fit_every_step(monkeypatch) -> None:
     monkeypatch.setattr(step_graphs.StepGraphs, "stance", "fail_on_recompile")
     # compiled here, so that the tests can look into the graphs and the compiler's path
     monkeypatch.setattr(step_graphs.StepGraphs, "build_elsewhere", False)
+    # decode steps go to the graphs too, not to the decode stack (``test_decode_stack.py``),
+    # which would take them before the graphs (and every one-token step: no graph of one token
+    # would be made for it)
+    monkeypatch.setattr(DecodeStack, "build", classmethod(lambda cls, *args: None))
 
 
 MAX_TOKENS = 24
@@ -51,9 +56,8 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 def _engine(model_dir: Path, wait: bool = True, **overrides) -> LLMEngine:
     """An engine; with ``compile=True``, its graphs compiled before it returns (unless not
-    ``wait``). Its decode steps go to the graphs too, not to the decode stack (tested in
-    ``test_decode_stack.py``), which would run them before the graphs; so one decode step a
-    pass (several run in the stack alone)."""
+    ``wait``). Its decode steps go to the graphs (no decode stack: ``graphs_fit_every_step``),
+    one a pass (several run in the stack alone)."""
     config = dict(
         model=str(model_dir),
         dtype="float32",
@@ -63,7 +67,7 @@ def _engine(model_dir: Path, wait: bool = True, **overrides) -> LLMEngine:
     )
     config.update(overrides)
     engine = LLMEngine(EngineConfig(**config))
-    engine.runner.decode_stack = None
+    assert engine.runner.decode_stack is None
     if wait:
         assert engine.wait_until_compiled(timeout=600)
     return engine
