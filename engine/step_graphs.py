@@ -484,10 +484,9 @@ class StepGraphs:
         self.model = model
         self.mode = EAGER
         self.compile_seconds: float | None = None
-        self.one_token_steps = one_token_steps
-        self.warm_up_tokens = (
-            WARM_UP_TOKENS if single_token_graph and one_token_steps else WARM_UP_TOKENS[:1]
-        )
+        # whether the graph of one token is made (and a build gives it)
+        self._one_token_graph = single_token_graph and one_token_steps
+        self.warm_up_tokens = WARM_UP_TOKENS if self._one_token_graph else WARM_UP_TOKENS[:1]
         self.operator_step = operator_step
         self._stack: Callable[..., torch.Tensor] | None = None
         # set where the graph of two tokens and up takes the plan as tensors too
@@ -542,7 +541,7 @@ class StepGraphs:
             self._stack = self._whole_graph(self._stack_graphs)
         else:
             self._plan_object_stack()
-        if self._single_token_graph and self.one_token_steps and operator_step is not None:
+        if self._one_token_graph and operator_step is not None:
             why = python_wrapper_needed(model.model)
             if why:
                 logger.info("compile: the graph of one token keeps a Python wrapper (%s)", why)
@@ -770,7 +769,7 @@ class StepGraphs:
     def _kinds(self) -> tuple[str, ...]:
         """The graphs a build gives: "single" (one token) where steps of one token reach them,
         and "stack" (two tokens and up)."""
-        return ("single", "stack") if self.one_token_steps else ("stack",)
+        return ("single", "stack") if self._one_token_graph else ("stack",)
 
     def _example(self, dummy_step: Callable[[int, bool], tuple], kind: str) -> dict[str, Any]:
         """The forward's arguments (by name) of the dummy step a graph of ``kind`` ("single":
